@@ -1,0 +1,497 @@
+"""Typed params: params.yaml loaded into dataclasses and validated with one-line errors.
+
+Each pipeline stage reads its own section (``ingest``, ``filter``, ...). Loading walks
+the dataclass fields, so an unknown key, a wrong type or an impossible value stops the
+stage with a line such as::
+
+    params.yaml: model.n_embd: 250 is not divisible by model.n_head=8
+
+and a typo gets the closest key suggested (``train.max_lrr: unknown key; did you mean
+'max_lr'?``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+from lmforge.errors import ConfigError
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class SourceConfig:
+    """One input of the ingest stage: files matched by ``path`` (a glob) tagged with a domain."""
+
+    path: str
+    domain: str
+    format: Literal["auto", "jsonl", "parquet", "txt"] = "auto"
+    text_field: str = "text"
+    id_field: str | None = "id"
+    # txt only: one document per file, or one per blank-line-separated block.
+    txt_split: Literal["file", "paragraph"] = "file"
+
+
+@dataclass
+class IngestConfig:
+    sources: list[SourceConfig] = field(default_factory=list)
+    # Documents per output parquet part.
+    part_docs: int = 2000
+    # A record (JSON line, text cell) larger than this is rejected, not loaded.
+    max_record_bytes: int = 64 * 1024 * 1024
+    num_workers: int = 0  # 0 = all cores
+
+    def validate(self) -> None:
+        if not self.sources:
+            raise ConfigError("ingest.sources: at least one source is needed")
+        _positive(self, "part_docs", "max_record_bytes")
+        _non_negative(self, "num_workers")
+
+
+@dataclass
+class DomainFilterConfig:
+    """Per-domain overrides of the filter thresholds; unset fields use the defaults."""
+
+    min_chars: int | None = None
+    max_hash_line_ratio: float | None = None
+    max_char_repeat_ratio: float | None = None
+    max_control_char_ratio: float | None = None
+    max_boilerplate_lines: int | None = None
+    rules: list[str] | None = None
+
+
+@dataclass
+class FilterConfig:
+    # Which rules run by default; a domain may name its own list under ``domains``.
+    rules: list[str] = field(
+        default_factory=lambda: [
+            "min_chars",
+            "hash_line_ratio",
+            "char_repeat",
+            "control_chars",
+            "boilerplate",
+        ]
+    )
+    min_chars: int = 200
+    # Share of non-empty lines that start with '#' (markdown/comment spam); code opts out.
+    max_hash_line_ratio: float = 0.5
+    # Share of the text taken by its single most frequent non-space character.
+    max_char_repeat_ratio: float = 0.3
+    # Share of control / replacement characters (mojibake, binary junk).
+    max_control_char_ratio: float = 0.01
+    # Lines matching the advertising / boilerplate patterns before a document is dropped.
+    max_boilerplate_lines: int = 3
+    domains: dict[str, DomainFilterConfig] = field(default_factory=dict)
+    num_workers: int = 0
+
+    def validate(self) -> None:
+        _positive(self, "min_chars")
+        _fraction(self, "max_hash_line_ratio", "max_char_repeat_ratio", "max_control_char_ratio")
+        _non_negative(self, "max_boilerplate_lines", "num_workers")
+
+
+@dataclass
+class DedupConfig:
+    exact: bool = True
+    near: bool = True
+    num_perm: int = 128
+    bands: int = 16
+    rows: int = 8
+    # Shingles: word n-grams for space-separated text, character n-grams for CJK.
+    shingle: Literal["auto", "word", "char"] = "auto"
+    word_ngram: int = 5
+    char_ngram: int = 5
+    keep: Literal["first", "longest"] = "first"
+    seed: int = 1
+    num_workers: int = 0
+
+    def validate(self) -> None:
+        _positive(self, "num_perm", "bands", "rows", "word_ngram", "char_ngram")
+        _non_negative(self, "num_workers")
+        if self.bands * self.rows > self.num_perm:
+            raise ConfigError(
+                f"dedup.bands * dedup.rows = {self.bands * self.rows} exceeds "
+                f"dedup.num_perm={self.num_perm}"
+            )
+
+
+@dataclass
+class MixConfig:
+    # Target share of each domain in the train split; normalised to sum to 1.
+    weights: dict[str, float] = field(default_factory=dict)
+    unit: Literal["chars", "tokens_estimate"] = "chars"
+    # Up-sampling repeats a domain at most this many times.
+    max_epochs: float = 4.0
+    # Train size in units (characters); null = as large as the weights and caps allow.
+    total: int | None = None
+    val_fraction: float = 0.02
+    min_val_docs: int = 4
+    part_docs: int = 2000
+    seed: int = 1234
+
+    def validate(self) -> None:
+        if not self.weights:
+            raise ConfigError("mix.weights: give a weight for every domain")
+        for domain, weight in self.weights.items():
+            if not (isinstance(weight, (int, float)) and weight >= 0 and math.isfinite(weight)):
+                raise ConfigError(f"mix.weights.{domain}: {weight!r} must be a number >= 0")
+        if sum(self.weights.values()) <= 0:
+            raise ConfigError("mix.weights: at least one weight must be > 0")
+        if self.max_epochs < 1:
+            raise ConfigError(f"mix.max_epochs: {self.max_epochs} must be >= 1")
+        if not 0 < self.val_fraction < 1:
+            raise ConfigError(f"mix.val_fraction: {self.val_fraction} must be in (0, 1)")
+        _non_negative(self, "min_val_docs")
+        _positive(self, "part_docs")
+
+
+@dataclass
+class TokenizerConfig:
+    model_type: Literal["bpe", "unigram"] = "bpe"
+    vocab_size: int = 8192
+    character_coverage: float = 0.9995
+    byte_fallback: bool = True
+    split_digits: bool = True
+    # "identity" keeps text exactly (lossless); "nfkc" is lossy and is reported as such.
+    normalization: Literal["identity", "nfkc"] = "identity"
+    # Characters sampled from mixed/train, balanced across domains.
+    sample_chars: int = 20_000_000
+    max_sentence_length: int = 16384
+    seed: int = 42
+    num_threads: int = 0  # 0 = all cores
+
+    def validate(self) -> None:
+        if self.vocab_size < 260:
+            raise ConfigError(
+                f"tokenizer.vocab_size: {self.vocab_size} is too small for byte fallback "
+                "(256 byte pieces + 4 special ids)"
+            )
+        if not 0.9 <= self.character_coverage <= 1.0:
+            raise ConfigError(
+                f"tokenizer.character_coverage: {self.character_coverage} must be in [0.9, 1]"
+            )
+        _positive(self, "sample_chars", "max_sentence_length")
+
+
+@dataclass
+class ShardsConfig:
+    shard_tokens: int = 50_000_000
+    bos: bool = False
+    eos: bool = True
+    num_workers: int = 0
+
+    def validate(self) -> None:
+        _positive(self, "shard_tokens")
+        _non_negative(self, "num_workers")
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int | None = None  # grouped-query attention; None = n_head
+    n_embd: int = 256
+    seq_len: int = 256
+    # SwiGLU hidden size: 8/3 * n_embd rounded up to a multiple of this.
+    ffn_multiple_of: int = 64
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    # Stop attention at document boundaries (needs the shard document index).
+    doc_mask: bool = False
+
+    def validate(self) -> None:
+        _positive(self, "n_layer", "n_head", "n_embd", "seq_len", "ffn_multiple_of")
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                f"model.n_embd: {self.n_embd} is not divisible by model.n_head={self.n_head}"
+            )
+        head_dim = self.n_embd // self.n_head
+        if head_dim % 2:
+            raise ConfigError(
+                f"model.n_embd/model.n_head: head_dim {head_dim} is odd; RoPE rotates pairs "
+                "of dimensions, so it must be even"
+            )
+        kv = self.n_kv_head or self.n_head
+        if self.n_head % kv:
+            raise ConfigError(
+                f"model.n_kv_head: {kv} must divide model.n_head={self.n_head}"
+            )
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"model.dropout: {self.dropout} must be in [0, 1)")
+        if self.rope_base <= 1 or self.norm_eps <= 0:
+            raise ConfigError("model.rope_base must be > 1 and model.norm_eps > 0")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000
+    micro_batch_size: int = 16
+    grad_accum_steps: int = 1
+    max_lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    # Warmup in optimizer steps; if < 1 it is a fraction of max_steps.
+    warmup: float = 0.05
+    schedule: Literal["cosine", "linear", "wsd"] = "cosine"
+    # wsd only: the share of max_steps spent in the final decay.
+    decay_fraction: float = 0.2
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    device: str = "auto"
+    compile: bool = False
+    activation_checkpointing: bool = False
+    # Stop after this many consecutive non-finite steps.
+    max_bad_steps: int = 5
+    log_every: int = 10
+    eval_every: int = 200
+    eval_batches: int = 20
+    sample_every: int = 0  # 0 = never during training
+    ckpt_every: int = 200
+    light_every: int = 0  # model-only checkpoints; 0 = none
+    keep_last: int = 2
+    seed: int = 1337
+    # Number of processes (torchrun --nproc_per_node); 1 = plain python.
+    nproc: int = 1
+    num_threads: int = 0  # torch intra-op threads on CPU; 0 = all cores
+
+    def validate(self) -> None:
+        _positive(self, "max_steps", "micro_batch_size", "grad_accum_steps", "log_every",
+                  "eval_batches", "ckpt_every", "keep_last", "nproc", "max_bad_steps")
+        _non_negative(self, "eval_every", "sample_every", "light_every", "num_threads",
+                      "weight_decay", "label_smoothing", "z_loss", "warmup")
+        if not 0 < self.max_lr < 1:
+            raise ConfigError(f"train.max_lr: {self.max_lr} must be in (0, 1)")
+        _fraction(self, "min_lr_ratio", "decay_fraction")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError("train.beta1 and train.beta2 must be in [0, 1)")
+        if self.warmup >= 1 and self.warmup > self.max_steps:
+            raise ConfigError(
+                f"train.warmup: {self.warmup} steps exceeds train.max_steps={self.max_steps}"
+            )
+        if self.grad_clip < 0 or self.label_smoothing >= 1:
+            raise ConfigError("train.grad_clip must be >= 0 and train.label_smoothing < 1")
+
+    def warmup_steps(self) -> int:
+        """Warmup in optimizer steps (``warmup`` may be given as a fraction of max_steps)."""
+        return int(round(self.warmup * self.max_steps)) if self.warmup < 1 else int(self.warmup)
+
+
+@dataclass
+class EvaluateConfig:
+    # Val windows to score; 0 = a full pass over the val shards.
+    max_batches: int = 0
+    batch_size: int = 16
+    # Windows of train data scored for the train/val gap.
+    train_batches: int = 20
+    prompts: list[str] = field(default_factory=lambda: ["It is a truth universally"])
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.8])
+    max_new_tokens: int = 64
+    top_k: int = 50
+    seed: int = 7
+
+    def validate(self) -> None:
+        _non_negative(self, "max_batches", "train_batches", "top_k")
+        _positive(self, "batch_size", "max_new_tokens")
+        if any(t < 0 for t in self.temperatures):
+            raise ConfigError("evaluate.temperatures: temperatures must be >= 0")
+
+
+@dataclass
+class Params:
+    """All of params.yaml. Each stage validates the whole file but reads only its section."""
+
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    filter: FilterConfig = field(default_factory=FilterConfig)
+    dedup: DedupConfig = field(default_factory=DedupConfig)
+    mix: MixConfig = field(default_factory=MixConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    shards: ShardsConfig = field(default_factory=ShardsConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate()
+        domains = {s.domain for s in self.ingest.sources}
+        missing = sorted(domains - set(self.mix.weights))
+        if missing:
+            raise ConfigError(
+                f"mix.weights: no weight for domain(s) {', '.join(missing)} "
+                f"(ingest.sources has {', '.join(sorted(domains))})"
+            )
+        unknown = sorted(set(self.mix.weights) - domains)
+        if unknown:
+            raise ConfigError(
+                f"mix.weights: domain(s) {', '.join(unknown)} appear in no ingest source"
+            )
+        unknown = sorted(set(self.filter.domains) - domains)
+        if unknown:
+            raise ConfigError(
+                f"filter.domains: domain(s) {', '.join(unknown)} appear in no ingest source"
+            )
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_params(path: str | os.PathLike = "params.yaml") -> Params:
+    """Read, type-check and validate ``path``; raise ConfigError with a one-line message."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such params file")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}:{where}: invalid YAML: {problem}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        params = from_dict(Params, raw if raw is not None else {}, "")
+        params.validate()
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return params
+
+
+def from_dict(cls: type, data: Any, prefix: str) -> Any:
+    """Build dataclass ``cls`` from a mapping, checking keys and value types."""
+    where = prefix.rstrip(".") or "top level"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {_kind(data)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"{prefix}{key}: unknown key{hint}")
+    values = {k: _coerce(hints[k], v, f"{prefix}{k}") for k, v in data.items()}
+    return cls(**values)
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    """Check ``value`` against type hint ``tp`` (recursing into containers/dataclasses)."""
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, key)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"{key}: {value!r} is not one of {', '.join(map(str, choices))}{hint}"
+            )
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {_kind(value)}")
+        (item,) = get_args(tp)
+        return [_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {_kind(value)}")
+        _, item = get_args(tp)
+        return {str(k): _coerce(item, v, f"{key}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, f"{key}.")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        # YAML reads "5e-4" (no dot) as a string; accept it as the number it means.
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"config type {tp!r} for {key} is not supported")  # a bug in this file
+
+
+def section_dict(section: Any) -> dict[str, Any]:
+    """A params section as a plain dict (for logging to MLflow, fingerprints, metrics)."""
+    return dataclasses.asdict(section)
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists are kept as values."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _section(obj: Any) -> str:
+    return {
+        IngestConfig: "ingest", FilterConfig: "filter", DedupConfig: "dedup",
+        MixConfig: "mix", TokenizerConfig: "tokenizer", ShardsConfig: "shards",
+        ModelConfig: "model", TrainConfig: "train", EvaluateConfig: "evaluate",
+    }.get(type(obj), type(obj).__name__)
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for n in names:
+        if getattr(obj, n) <= 0:
+            raise ConfigError(f"{_section(obj)}.{n}: {getattr(obj, n)} must be > 0")
+
+
+def _non_negative(obj: Any, *names: str) -> None:
+    for n in names:
+        if getattr(obj, n) < 0:
+            raise ConfigError(f"{_section(obj)}.{n}: {getattr(obj, n)} must be >= 0")
+
+
+def _fraction(obj: Any, *names: str) -> None:
+    for n in names:
+        if not 0 <= getattr(obj, n) <= 1:
+            raise ConfigError(f"{_section(obj)}.{n}: {getattr(obj, n)} must be in [0, 1]")
+
+
+def _kind(value: Any) -> str:
+    return "nothing" if value is None else type(value).__name__

@@ -1,0 +1,155 @@
+"""MLflow tracking: where runs go, what they are called, and batched metric logging.
+
+The store is local by default, ``sqlite:///<repo>/mlflow.db`` (the repo root taken from
+``DVC_ROOT`` when DVC runs us, so queued experiments in temp dirs log to the same store);
+``MLFLOW_TRACKING_URI`` overrides it. One MLflow run per training run, named after
+``DVC_EXP_NAME`` when DVC sets it, tagged with the git revision.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from lmforge.config import Params, flatten, section_dict
+
+EXPERIMENT = "lmforge"
+# MLflow caps a batch at 1000 metrics; flushing every few hundred keeps calls rare.
+_FLUSH_AT = 500
+_FLUSH_SECONDS = 30.0
+
+
+def tracking_uri(root: str | os.PathLike | None = None) -> str:
+    """``MLFLOW_TRACKING_URI`` if set, else the sqlite store at the repo root."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    root = Path(root or os.environ.get("DVC_ROOT") or os.getcwd()).resolve()
+    return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def git_revision(cwd: str | os.PathLike | None = None) -> str:
+    """The current commit (``+dirty`` when the work tree has changes), or ``unknown``."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=cwd, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return rev + ("+dirty" if dirty.strip() else "")
+
+
+def _quiet_mlflow() -> None:
+    # Alembic prints a dozen INFO lines when it creates the sqlite schema.
+    for name in ("alembic", "mlflow"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+class Run:
+    """One MLflow run. Metrics are buffered and sent with ``log_batch``."""
+
+    def __init__(self, client: Any, run_id: str) -> None:
+        self.client = client
+        self.run_id = run_id
+        self._buffer: list[Any] = []
+        self._last_flush = time.monotonic()
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Log flat params (values stringified; MLflow caps a value at 6000 characters)."""
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in sorted(params.items())]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Queue ``metrics`` at ``step``; sent in batches, not one call per value."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._buffer.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
+        if len(self._buffer) >= _FLUSH_AT or time.monotonic() - self._last_flush > _FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send queued metrics."""
+        for i in range(0, len(self._buffer), 1000):
+            self.client.log_batch(self.run_id, metrics=self._buffer[i:i + 1000])
+        self._buffer.clear()
+        self._last_flush = time.monotonic()
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Set run tags."""
+        for k, v in tags.items():
+            self.client.set_tag(self.run_id, k, v)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """Attach ``text`` as an artifact (e.g. ``samples/step-100.md``)."""
+        self.client.log_text(self.run_id, text, artifact_file)
+
+    def log_dict(self, obj: dict[str, Any], artifact_file: str) -> None:
+        """Attach a JSON/YAML artifact."""
+        self.client.log_dict(self.run_id, obj, artifact_file)
+
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        """Attach a file."""
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Flush and close the run (``FINISHED``, ``FAILED`` or ``KILLED``)."""
+        self.flush()
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def _client(root: str | os.PathLike | None = None) -> Any:
+    _quiet_mlflow()
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri(root))
+
+
+def _experiment_id(client: Any, root: str | os.PathLike | None) -> str:
+    exp = client.get_experiment_by_name(EXPERIMENT)
+    if exp is not None:
+        return exp.experiment_id
+    # Artifacts beside the store, by absolute path: a queued experiment runs in a temp
+    # copy of the repo, and a relative location would land there and vanish.
+    artifacts = Path(root or os.environ.get("DVC_ROOT") or os.getcwd()).resolve() / "mlartifacts"
+    try:
+        return client.create_experiment(EXPERIMENT, artifact_location=artifacts.as_uri())
+    except Exception:  # created concurrently by another queued experiment
+        return client.get_experiment_by_name(EXPERIMENT).experiment_id
+
+
+def start_run(params: Params, run_name: str | None = None,
+              root: str | os.PathLike | None = None) -> Run:
+    """Open a new run named after ``DVC_EXP_NAME`` (when set), with all params logged."""
+    client = _client(root)
+    name = run_name or os.environ.get("DVC_EXP_NAME") or f"train-{time.strftime('%Y%m%d-%H%M%S')}"
+    tags = {
+        "git_revision": git_revision(root),
+        "dvc_exp_name": os.environ.get("DVC_EXP_NAME", ""),
+        "mlflow.runName": name,
+    }
+    run = client.create_run(_experiment_id(client, root), run_name=name, tags=tags)
+    tracked = Run(client, run.info.run_id)
+    tracked.log_params(params_for_logging(params))
+    return tracked
+
+
+def resume_run(run_id: str, root: str | os.PathLike | None = None) -> Run:
+    """Reopen an existing run (the evaluate stage adds its results to the training run)."""
+    client = _client(root)
+    client.update_run(run_id, status="RUNNING")
+    return Run(client, run_id)
+
+
+def params_for_logging(params: Params) -> dict[str, Any]:
+    """All params flattened to ``section.key`` names."""
+    return flatten({name: section_dict(getattr(params, name))
+                    for name in params.__dataclass_fields__})
