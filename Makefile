@@ -1,0 +1,24 @@
+# Two commands on a fresh machine:
+#   make demo   set up .venv and run the whole pipeline on the demo corpus (dvc repro)
+#   make test   set up .venv and run the test suite (ruff + pytest)
+VENV := .venv
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: setup demo test lint
+
+setup:
+	scripts/setup.sh
+
+demo: setup
+	dvc repro
+	@echo
+	dvc metrics show
+	@echo "MLflow UI: mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db  (then open http://127.0.0.1:5000)"
+
+test: setup
+	ruff check .
+	pytest -q
+
+lint:
+	ruff check .
+

@@ -1,0 +1,86 @@
+"""``lmforge ...``: the commands a user runs by hand beside the DVC pipeline."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lmforge.errors import LmforgeError
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    """Stream a continuation of each prompt from a trained model."""
+    import torch
+
+    from lmforge.model import load_model
+    from lmforge.model.generate import generate
+    from lmforge.tokenizer import Tokenizer
+
+    model_dir = Path(args.model)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, _ = load_model(model_dir, device=device)
+    tok_path = model_dir / "tokenizer.model" if model_dir.is_dir() else Path(args.tokenizer)
+    tokenizer = Tokenizer.load(args.tokenizer or tok_path)
+    prompts = list(args.prompt)
+    if args.file:
+        prompts += [p for p in Path(args.file).read_text(encoding="utf-8").split("\n\n") if p]
+    if not prompts:
+        raise LmforgeError("generate: give a prompt (argument) or --file")
+    for i, prompt in enumerate(prompts):
+        if i:
+            print("\n" + "-" * 40)
+        ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)
+        gen = torch.Generator(device=device).manual_seed(args.seed)
+        sys.stdout.write(prompt)
+        out: list[int] = []
+        printed = ""
+        for token in generate(model, ids, args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p,
+                              eos_id=tokenizer.eos_id, generator=gen):
+            out.append(token)
+            # Decode the whole continuation each time: byte-fallback pieces only form
+            # a character together, so print the stable prefix that grew.
+            text = tokenizer.decode(out)
+            if not text.endswith("\ufffd"):
+                sys.stdout.write(text[len(printed):])
+                sys.stdout.flush()
+                printed = text
+        sys.stdout.write(tokenizer.decode(out)[len(printed):] + "\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmforge", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a trained model")
+    g.add_argument("prompt", nargs="*", help="prompt text (several allowed)")
+    g.add_argument("--model", default="models/final",
+                   help="models/final, or a checkpoint file under models/checkpoints")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer.model (default: the one beside the model)")
+    g.add_argument("--file", help="read prompts from a file, separated by blank lines")
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=50, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default=None)
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``lmforge`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except LmforgeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except BrokenPipeError:  # `lmforge generate ... | head`
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""The whole pipeline under DVC, on a slice of the demo corpus, in a temporary git repo.
+
+One module-scoped repo runs `dvc repro` once with tiny params; the tests then check the
+outputs of all eight stages, the MLflow run, and that `dvc exp run -S ...` reruns only
+what depends on the changed key.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "data" / "raw" / "demo"
+DOCS_PER_DOMAIN = 40
+
+pytestmark = pytest.mark.slow
+
+
+def tiny_params() -> dict:
+    """The repo's params.yaml, shrunk so the whole pipeline runs in about a minute."""
+    params = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
+    params["ingest"]["part_docs"] = 50
+    params["mix"]["part_docs"] = 50
+    params["tokenizer"].update(vocab_size=700, sample_chars=400_000)
+    params["model"].update(n_layer=2, n_head=2, n_embd=64, seq_len=64)
+    params["train"].update(max_steps=24, micro_batch_size=4, warmup=4, ckpt_every=8,
+                           eval_every=12, eval_batches=2, log_every=4)
+    params["evaluate"].update(max_batches=0, batch_size=8, train_batches=2,
+                              max_new_tokens=8, prompts=["It is a truth", "床前明月光"])
+    return params
+
+
+def run(cmd: list[str], cwd: Path, env: dict[str, str]) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{out[-4000:]}"
+    return out
+
+
+def slice_demo(dest: Path) -> None:
+    """The first few documents of each domain's first part, as the repo ships them."""
+    for domain_dir in sorted(p for p in DEMO.iterdir() if p.is_dir()):
+        first = sorted(domain_dir.glob("*.jsonl.gz"))[0]
+        with gzip.open(first, "rt", encoding="utf-8") as f:
+            lines = [line for _, line in zip(range(DOCS_PER_DOMAIN), f, strict=False)]
+        out = dest / domain_dir.name / first.name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(out, "wt", encoding="utf-8") as f:
+            f.writelines(lines)
+
+
+@pytest.fixture(scope="module")
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{e.get('PATH', '')}"
+    e.pop("MLFLOW_TRACKING_URI", None)
+    e.update(GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+             GIT_COMMITTER_EMAIL="t@t", DVC_NO_ANALYTICS="1")
+    return e
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, env) -> tuple[Path, str]:
+    """A temp git+DVC repo holding the pipeline, tiny params and a demo slice; reproduced."""
+    if not DEMO.is_dir():
+        pytest.fail("the demo corpus data/raw/demo is missing from the repository")
+    root = tmp_path_factory.mktemp("repo")
+    for name in ("dvc.yaml", ".dvcignore", ".gitignore"):
+        shutil.copy(REPO / name, root / name)
+    shutil.copytree(REPO / "stages", root / "stages",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "src", root / "src",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    slice_demo(root / "data" / "raw" / "demo")
+    (root / "params.yaml").write_text(yaml.safe_dump(tiny_params(), sort_keys=False),
+                                      encoding="utf-8")
+    run(["git", "init", "-q"], root, env)
+    run(["dvc", "init", "-q"], root, env)
+    run(["dvc", "config", "core.analytics", "false"], root, env)
+    run(["git", "add", "-A"], root, env)
+    run(["git", "commit", "-qm", "init"], root, env)
+    out = run(["dvc", "repro"], root, env)
+    run(["git", "add", "-A"], root, env)
+    run(["git", "commit", "-qm", "repro"], root, env)
+    return root, out
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def test_all_stages_ran(pipeline):
+    root, out = pipeline
+    for stage in ("ingest", "filter", "dedup", "mix", "tokenizer", "shards", "train",
+                  "evaluate"):
+        assert f"Running stage '{stage}'" in out
+        assert (root / "metrics" / f"{stage if stage != 'evaluate' else 'eval'}.json").is_file()
+    status = subprocess.run(["dvc", "status"], cwd=root, capture_output=True, text=True,
+                            env=os.environ | {"PATH": f"{Path(sys.executable).parent}:"
+                                              f"{os.environ['PATH']}"})
+    assert "up to date" in status.stdout, status.stdout
+
+
+def test_data_stages_account_for_every_document(pipeline):
+    root, _ = pipeline
+    ingest = load(root / "metrics" / "ingest.json")
+    domains = set(ingest["domains"])
+    assert domains == {p.name for p in DEMO.iterdir() if p.is_dir()}
+    for stage in ("ingest", "filter", "dedup"):
+        for domain, m in load(root / "metrics" / f"{stage}.json")["domains"].items():
+            rejected = sum(m["rejected"].values())
+            assert m["in"] == m["kept"] + rejected, (stage, domain, m)
+    assert sum(m["in"] for m in ingest["domains"].values()) == DOCS_PER_DOMAIN * len(domains)
+    mix = load(root / "metrics" / "mix.json")
+    for domain in domains:
+        assert mix["domains"][domain]["val_docs"] >= 1
+    assert list((root / "data" / "mixed" / "train").glob("part-*.parquet"))
+    assert list((root / "data" / "mixed" / "val").glob("part-*.parquet"))
+
+
+def test_tokenizer_and_shards(pipeline):
+    root, _ = pipeline
+    assert (root / "models" / "tokenizer" / "tokenizer.model").is_file()
+    manifest = load(root / "data" / "shards" / "train" / "manifest.json")
+    assert manifest["vocab_size"] == 700
+    assert manifest["dtype"] == "uint16"
+    shards = load(root / "metrics" / "shards.json")
+    assert json.dumps(shards)  # present and parseable
+    assert list((root / "data" / "shards" / "val").glob("*.bin"))
+
+
+def test_train_and_evaluate_outputs(pipeline):
+    root, _ = pipeline
+    final = root / "models" / "final"
+    for name in ("model.safetensors", "config.json", "tokenizer.model", "run.json"):
+        assert (final / name).is_file(), name
+    assert list((root / "models" / "checkpoints").glob("*.pt"))
+    train = load(root / "metrics" / "train.json")
+    assert train["steps"] == 24
+    tsv = (root / "plots" / "train.tsv").read_text(encoding="utf-8").splitlines()
+    assert tsv[0].split("\t")[:2] == ["step", "loss"]
+    assert len(tsv) > 1 + 24 // 4 - 1
+    ev = load(root / "metrics" / "eval.json")
+    assert math.isfinite(ev["val"]["loss"])
+    assert ev["val"]["loss"] < math.log(700)  # it learned something in 24 steps
+    for domain in load(root / "metrics" / "ingest.json")["domains"]:
+        assert ev["val"]["domains"][domain]["bits_per_byte"] > 0
+    samples = (root / "metrics" / "samples.md").read_text(encoding="utf-8")
+    assert "床前明月光" in samples
+
+
+def test_mlflow_run_has_curves_and_eval(pipeline):
+    root, _ = pipeline
+    run_id = load(root / "models" / "final" / "run.json")["mlflow_run_id"]
+    db = sqlite3.connect(root / "mlflow.db")
+    keys = {k for (k,) in db.execute(
+        "select distinct key from metrics where run_uuid = ?", (run_id,))}
+    assert {"loss", "grad_norm", "lr", "tokens_per_sec"} <= keys
+    assert any(k.startswith("eval/") for k in keys), keys
+    n_params = db.execute("select count(*) from params where run_uuid = ?", (run_id,)).fetchone()
+    assert n_params[0] > 50
+    tags = dict(db.execute("select key, value from tags where run_uuid = ?", (run_id,)))
+    assert len(tags["git_revision"]) >= 40
+
+
+def test_exp_run_train_param_skips_data_stages(pipeline, env):
+    root, _ = pipeline
+    out = run(["dvc", "exp", "run", "-S", "train.max_lr=5e-4"], root, env)
+    for stage in ("ingest", "filter", "dedup", "mix", "tokenizer", "shards"):
+        assert f"Stage '{stage}' didn't change, skipping" in out, out[-3000:]
+        assert f"Running stage '{stage}'" not in out
+    assert "Running stage 'train'" in out
+    assert "Running stage 'evaluate'" in out
+    # The first run's checkpoints persist, but were made with other params: never resumed.
+    assert load(root / "metrics" / "train.json")["resumed_from"] is None
+    diff = run(["dvc", "metrics", "diff", "HEAD", "--json"], root, env)
+    assert "metrics/eval.json" in diff
