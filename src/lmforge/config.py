@@ -98,6 +98,17 @@ class FilterConfig:
         _positive(self, "min_chars")
         _fraction(self, "max_hash_line_ratio", "max_char_repeat_ratio", "max_control_char_ratio")
         _non_negative(self, "max_boilerplate_lines", "num_workers")
+        from lmforge.data.filters import RULES, unknown_rules  # lazy: keeps config import-light
+
+        for key, names in [("rules", self.rules)] + [
+            (f"domains.{d}.rules", o.rules) for d, o in self.domains.items() if o.rules is not None
+        ]:
+            bad = unknown_rules(names)
+            if bad:
+                raise ConfigError(
+                    f"filter.{key}: unknown rule(s) {', '.join(bad)} "
+                    f"(known: {', '.join(sorted(RULES))})"
+                )
 
 
 @dataclass
@@ -138,6 +149,7 @@ class MixConfig:
     min_val_docs: int = 4
     part_docs: int = 2000
     seed: int = 1234
+    num_workers: int = 0
 
     def validate(self) -> None:
         if not self.weights:
@@ -151,7 +163,7 @@ class MixConfig:
             raise ConfigError(f"mix.max_epochs: {self.max_epochs} must be >= 1")
         if not 0 < self.val_fraction < 1:
             raise ConfigError(f"mix.val_fraction: {self.val_fraction} must be in (0, 1)")
-        _non_negative(self, "min_val_docs")
+        _non_negative(self, "min_val_docs", "num_workers")
         _positive(self, "part_docs")
 
 

@@ -1,0 +1,1 @@
+"""The data stages: ingest, filter, dedup and mix, over sharded Parquet records."""

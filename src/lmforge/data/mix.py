@@ -1,0 +1,294 @@
+"""The mix stage: per-domain train/val split, then re-weighting of the train split.
+
+1. Split each domain's documents into train and val FIRST, by near-duplicate cluster
+   (a cluster never straddles the split), so up-sampling never leaks val text.
+2. Pick a train size per domain to hit ``mix.weights`` (shares measured in characters,
+   or estimated tokens), repeating a domain at most ``max_epochs`` times or sampling
+   a seeded subset of it.
+3. Shuffle each split globally (seeded) and write parts with a flat-memory
+   scatter/gather: each input part scatters its rows to small bucket files per
+   output part; each output part then gathers and orders its buckets.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from lmforge.config import MixConfig
+from lmforge.data.counts import Counts
+from lmforge.data.records import list_parts, part_name, read_table, write_table
+from lmforge.errors import InputError
+from lmforge.io import atomic_dir
+from lmforge.parallel import imap_ordered
+
+DOWNSAMPLED = "downsampled"
+SPLITS = ("train", "val")
+_CJK = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
+
+
+# --------------------------------------------------------------------------- pass 1
+
+
+@dataclass
+class PartSizes:
+    ids: list[str]
+    domains: list[str]
+    chars: np.ndarray
+    units: np.ndarray
+
+
+def estimate_tokens(text: str) -> float:
+    """A tokenizer-free token estimate: one per CJK character, one per 4 other characters."""
+    cjk = len(_CJK.findall(text))
+    return cjk + (len(text) - cjk) / 4
+
+
+def measure_part(args: tuple[str, str]) -> PartSizes:
+    """Ids, domains, characters and mixing units of one part's documents (worker)."""
+    path, unit = args
+    table = read_table(path, columns=["id", "domain", "text"])
+    chars = pc.utf8_length(table.column("text")).to_numpy().astype(np.int64)
+    if unit == "chars":
+        units = chars.astype(np.float64)
+    else:
+        units = np.array([estimate_tokens(t) for t in table.column("text").to_pylist()],
+                         dtype=np.float64)
+    return PartSizes(table.column("id").to_pylist(), table.column("domain").to_pylist(),
+                     chars, units)
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def domain_rng(seed: int, domain: str, purpose: str) -> np.random.Generator:
+    """A generator that depends only on the seed, the domain and what it is for."""
+    return np.random.default_rng([seed, zlib.crc32(domain.encode()), zlib.crc32(purpose.encode())])
+
+
+def split_val(doc_idx: np.ndarray, clusters: list[str], cfg: MixConfig,
+              rng: np.random.Generator) -> np.ndarray:
+    """A boolean val mask over one domain's documents, taking whole clusters at a time.
+
+    Val gets at least ``max(min_val_docs, val_fraction * n)`` documents when the domain
+    has that many, and never all of them (train keeps at least one cluster).
+    """
+    n = len(doc_idx)
+    want = max(cfg.min_val_docs, math.ceil(cfg.val_fraction * n))
+    members: dict[str, list[int]] = {}
+    for pos, i in enumerate(doc_idx):
+        members.setdefault(clusters[i], []).append(pos)
+    order = sorted(members)
+    rng.shuffle(order)
+    val = np.zeros(n, dtype=bool)
+    taken = 0
+    for cluster in order[:-1]:  # the last cluster always stays in train
+        if taken >= want:
+            break
+        val[members[cluster]] = True
+        taken += len(members[cluster])
+    return val
+
+
+def train_targets(train_units: dict[str, float], cfg: MixConfig) -> dict[str, float]:
+    """Units of train data per domain: ``weights`` scaled to ``total`` or the epoch cap."""
+    weights = {d: cfg.weights.get(d, 0.0) for d in train_units}
+    live = {d: w for d, w in weights.items() if w > 0 and train_units[d] > 0}
+    norm = sum(live.values())
+    if not live:
+        return dict.fromkeys(train_units, 0.0)
+    if cfg.total is not None:
+        total = float(cfg.total)
+    else:  # as large as possible while no domain repeats more than max_epochs
+        total = min(cfg.max_epochs * train_units[d] * norm / w for d, w in live.items())
+    return {d: min(total * live[d] / norm, cfg.max_epochs * train_units[d]) if d in live else 0.0
+            for d in train_units}
+
+
+def sample_copies(units: np.ndarray, target: float, rng: np.random.Generator) -> np.ndarray:
+    """Copies of each document so their units add up to ``target`` (whole epochs first,
+    then a seeded random subset for the fractional epoch, stopping at the target)."""
+    total = units.sum()
+    copies = np.zeros(len(units), dtype=np.int64)
+    if total <= 0 or target <= 0:
+        return copies
+    full = int(target // total)
+    copies += full
+    rest = target - full * total
+    order = rng.permutation(len(units))
+    cum = np.cumsum(units[order])
+    # Take documents while the running sum stays nearest the remaining target.
+    k = int(np.searchsorted(cum, rest))
+    if k < len(order) and (cum[k] - rest) < (rest - (cum[k - 1] if k else 0.0)):
+        k += 1
+    copies[order[:k]] += 1
+    return copies
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each output row comes from (global doc index, repeat) and goes (part, row)."""
+
+    doc: np.ndarray
+    repeat: np.ndarray
+    part: np.ndarray
+    pos: np.ndarray
+
+
+def place(copies: np.ndarray, part_docs: int, rng: np.random.Generator) -> Placement:
+    """Expand copies into rows, shuffle them globally, cut into parts of part_docs."""
+    doc = np.repeat(np.arange(len(copies)), copies)
+    repeat = np.concatenate([np.arange(c) for c in copies]) if len(copies) else doc
+    perm = rng.permutation(len(doc))
+    rank = np.arange(len(doc))
+    return Placement(doc[perm], repeat[perm].astype(np.int64), rank // part_docs, rank % part_docs)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+@dataclass(frozen=True)
+class ScatterTask:
+    src: str
+    first_doc: int
+    rows: dict[str, Placement]  # per split: the rows this input part provides
+    bucket_dir: str
+    part_index: int
+
+
+def scatter_part(task: ScatterTask) -> None:
+    """Copy this part's selected rows to one bucket file per (split, output part)."""
+    table = read_table(task.src)
+    for split, pl in task.rows.items():
+        for out_part in np.unique(pl.part):
+            sel = pl.part == out_part
+            local = pl.doc[sel] - task.first_doc
+            rows = table.take(pa.array(local))
+            ids = [rid if r == 0 else f"{rid}#r{r}"
+                   for rid, r in zip(rows.column("id").to_pylist(), pl.repeat[sel], strict=True)]
+            rows = rows.set_column(rows.schema.get_field_index("id"), "id", pa.array(ids))
+            rows = rows.append_column("_pos", pa.array(pl.pos[sel]))
+            path = Path(task.bucket_dir) / split / f"{out_part:05d}" / part_name(task.part_index)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_table(rows, path)
+
+
+def gather_part(args: tuple[str, str]) -> int:
+    """Order one output part's buckets by their shuffled position and write it."""
+    bucket, out = args
+    table = pa.concat_tables(pq.read_table(p) for p in sorted(Path(bucket).iterdir()))
+    table = table.take(pc.sort_indices(table.column("_pos"))).drop_columns(["_pos"])
+    write_table(table, out)
+    return table.num_rows
+
+
+def _rows_of_part(pl: Placement, lo: int, hi: int) -> Placement:
+    sel = (pl.doc >= lo) & (pl.doc < hi)
+    return Placement(pl.doc[sel], pl.repeat[sel], pl.part[sel], pl.pos[sel])
+
+
+def read_clusters(path: Path, ids: list[str]) -> list[str]:
+    """The dedup cluster of every document (its own id when it is in no cluster table)."""
+    if not path.is_file():
+        return list(ids)
+    table = read_table(path, columns=["id", "cluster"])
+    cluster_of = dict(zip(table.column("id").to_pylist(), table.column("cluster").to_pylist(), strict=True))
+    return [cluster_of.get(i, i) for i in ids]
+
+
+def run_mix(cfg: MixConfig, in_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
+    """Split, re-weight and shuffle ``in_dir`` into ``out_dir``/{train,val}; return metrics."""
+    in_dir = Path(in_dir)
+    num_workers = cfg.num_workers
+    parts = list_parts(in_dir)
+    sizes = list(imap_ordered(measure_part, [(str(p), cfg.unit) for p in parts],
+                              num_workers, desc="mix: measure"))
+    ids = [i for s in sizes for i in s.ids]
+    domains = np.array([d for s in sizes for d in s.domains], dtype=object)
+    chars = np.concatenate([s.chars for s in sizes])
+    units = np.concatenate([s.units for s in sizes])
+    clusters = read_clusters(in_dir / "clusters.parquet", ids)
+    missing = sorted(set(domains.tolist()) - set(cfg.weights))
+    if missing:
+        raise InputError(f"{in_dir}: domain(s) {', '.join(missing)} have no mix.weights entry")
+
+    n = len(ids)
+    is_val = np.zeros(n, dtype=bool)
+    copies = np.zeros(n, dtype=np.int64)
+    by_domain = {d: np.flatnonzero(domains == d) for d in sorted(set(domains.tolist()))}
+    for d, idx in by_domain.items():
+        is_val[idx] = split_val(idx, clusters, cfg, domain_rng(cfg.seed, d, "split"))
+    targets = train_targets({d: float(units[idx[~is_val[idx]]].sum())
+                             for d, idx in by_domain.items()}, cfg)
+    for d, idx in by_domain.items():
+        train = idx[~is_val[idx]]
+        copies[train] = sample_copies(units[train], targets[d], domain_rng(cfg.seed, d, "sample"))
+
+    placements = {
+        "train": place(copies, cfg.part_docs, np.random.default_rng([cfg.seed, 0])),
+        "val": place(is_val.astype(np.int64), cfg.part_docs, np.random.default_rng([cfg.seed, 1])),
+    }
+    with atomic_dir(out_dir) as tmp:
+        buckets = tmp / ".buckets"
+        offsets = np.cumsum([0] + [len(s.ids) for s in sizes])
+        scatter = [ScatterTask(str(p), int(offsets[k]),
+                               {s: _rows_of_part(pl, offsets[k], offsets[k + 1])
+                                for s, pl in placements.items()}, str(buckets), k)
+                   for k, p in enumerate(parts)]
+        for _ in imap_ordered(scatter_part, scatter, num_workers, desc="mix: scatter"):
+            pass
+        for split, pl in placements.items():
+            (tmp / split).mkdir()
+            n_parts = int(pl.part.max()) + 1 if len(pl.part) else 0
+            gather = [(str(buckets / split / f"{k:05d}"), str(tmp / split / part_name(k)))
+                      for k in range(n_parts)]
+            written = sum(imap_ordered(gather_part, gather, num_workers, desc=f"mix: {split}"))
+            assert written == len(pl.doc), f"{split}: wrote {written} of {len(pl.doc)} rows"
+        shutil.rmtree(buckets)
+
+    return _metrics(by_domain, is_val, copies, chars, units, targets, cfg)
+
+
+def _metrics(by_domain: dict[str, np.ndarray], is_val: np.ndarray, copies: np.ndarray,
+             chars: np.ndarray, units: np.ndarray, targets: dict[str, float],
+             cfg: MixConfig) -> dict[str, Any]:
+    counts = Counts()
+    total_train = float((units * copies).sum())
+    weight_sum = sum(cfg.weights.get(d, 0.0) for d in by_domain)
+    shares: dict[str, Any] = {}
+    for d, idx in by_domain.items():
+        c = counts[d]
+        c.n_in = len(idx)
+        used = is_val[idx] | (copies[idx] > 0)
+        c.kept = int(used.sum())
+        if (~used).any():
+            c.rejected[DOWNSAMPLED] = int((~used).sum())
+        train = idx[~is_val[idx]]
+        val = idx[is_val[idx]]
+        domain_train = float((units[train] * copies[train]).sum())
+        shares[d] = {
+            "target_share": round(cfg.weights.get(d, 0.0) / weight_sum, 6) if weight_sum else 0.0,
+            "achieved_share": round(domain_train / total_train, 6) if total_train else 0.0,
+            "epochs": round(domain_train / units[train].sum(), 4) if units[train].sum() else 0.0,
+            "train_docs": int(copies[train].sum()),
+            "train_unique_docs": int((copies[train] > 0).sum()),
+            "train_chars": int((chars[train] * copies[train]).sum()),
+            "val_docs": len(val),
+            "val_chars": int(chars[val].sum()),
+        }
+    metrics = counts.as_dict()
+    for d, extra in shares.items():
+        metrics["domains"][d].update(extra)
+    metrics.update(unit=cfg.unit, train_units=round(total_train, 1),
+                   train_docs=int(copies.sum()), val_docs=int(is_val.sum()))
+    return metrics

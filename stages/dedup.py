@@ -1,0 +1,17 @@
+"""DVC stage: data/filtered/ -> data/deduped/ (+ clusters.parquet: id -> cluster, kept)."""
+
+from __future__ import annotations
+
+from lmforge.config import Params
+from lmforge.data.dedup import run_dedup
+from lmforge.io import write_json
+from lmforge.stage import run_stage
+
+
+def main(params: Params) -> None:
+    metrics = run_dedup(params.dedup, "data/filtered", "data/deduped")
+    write_json("metrics/dedup.json", metrics)
+
+
+if __name__ == "__main__":
+    run_stage(main)

@@ -1,0 +1,17 @@
+"""DVC stage: data/ingested/ -> data/filtered/ (+ rejects with the rule that fired)."""
+
+from __future__ import annotations
+
+from lmforge.config import Params
+from lmforge.data.filtering import run_filter
+from lmforge.io import write_json
+from lmforge.stage import run_stage
+
+
+def main(params: Params) -> None:
+    metrics = run_filter(params.filter, "data/ingested", "data/filtered")
+    write_json("metrics/filter.json", metrics)
+
+
+if __name__ == "__main__":
+    run_stage(main)

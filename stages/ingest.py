@@ -1,0 +1,17 @@
+"""DVC stage: raw files (jsonl, jsonl.gz/.zst, parquet, txt) -> data/ingested/."""
+
+from __future__ import annotations
+
+from lmforge.config import Params
+from lmforge.data.ingest import run_ingest
+from lmforge.io import write_json
+from lmforge.stage import run_stage
+
+
+def main(params: Params) -> None:
+    metrics = run_ingest(params.ingest, "data/ingested")
+    write_json("metrics/ingest.json", metrics)
+
+
+if __name__ == "__main__":
+    run_stage(main)

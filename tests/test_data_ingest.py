@@ -1,0 +1,156 @@
+"""Ingest: every reader format, every bad-input kind rejected with its reason and counted."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from lmforge.config import IngestConfig, SourceConfig
+from lmforge.data import readers
+from lmforge.data.ingest import run_ingest
+from lmforge.errors import InputError
+
+GOOD = "A perfectly ordinary document about rivers and mountains."
+
+
+def _jsonl(path: Path, rows: list, gz: bool = False) -> Path:
+    data = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows).encode()
+    path.write_bytes(gzip.compress(data, mtime=0) if gz else data)
+    return path
+
+
+def _ingest(tmp_path: Path, *sources: SourceConfig, **kw) -> tuple[dict, pa.Table, pa.Table]:
+    cfg = IngestConfig(sources=list(sources), num_workers=1, **kw)
+    metrics = run_ingest(cfg, tmp_path / "out")
+    docs = pq.read_table(tmp_path / "out" / "part-00000.parquet")
+    rejects = pq.read_table(tmp_path / "out" / "rejects.parquet")
+    return metrics, docs, rejects
+
+
+def _reasons(rejects: pa.Table) -> list[str]:
+    return rejects.column("reason").to_pylist()
+
+
+def test_jsonl_and_gzip_read_with_ids(tmp_path):
+    _jsonl(tmp_path / "a.jsonl", [{"id": "x1", "text": GOOD}, {"text": GOOD + " two"}])
+    _jsonl(tmp_path / "b.jsonl.gz", [{"id": 7, "text": GOOD + " three"}], gz=True)
+    metrics, docs, rejects = _ingest(tmp_path, SourceConfig(str(tmp_path / "*.jsonl*"), "en"))
+    assert docs.column("id").to_pylist() == ["x1", f"{tmp_path}/a.jsonl:2", "7"]
+    assert docs.column("text").to_pylist()[2] == GOOD + " three"
+    assert set(docs.column("domain").to_pylist()) == {"en"}
+    assert rejects.num_rows == 0
+    assert metrics["domains"]["en"] == {"in": 3, "kept": 3, "rejected": {}}
+
+
+def test_custom_text_field_and_parquet(tmp_path):
+    pq.write_table(pa.table({"content": [GOOD, "第二篇文档的内容。"], "uid": ["u1", "u2"]}),
+                   tmp_path / "d.parquet")
+    src = SourceConfig(str(tmp_path / "d.parquet"), "mixed", text_field="content", id_field="uid")
+    _, docs, _ = _ingest(tmp_path, src)
+    assert docs.column("id").to_pylist() == ["u1", "u2"]
+    assert docs.column("text").to_pylist() == [GOOD, "第二篇文档的内容。"]
+
+
+def test_parquet_without_text_column_is_a_clear_error(tmp_path):
+    pq.write_table(pa.table({"body": [GOOD]}), tmp_path / "d.parquet")
+    with pytest.raises(InputError, match="no column 'text'.*body"):
+        _ingest(tmp_path, SourceConfig(str(tmp_path / "d.parquet"), "en"))
+
+
+@pytest.mark.parametrize("split,expected", [("file", 1), ("paragraph", 3)])
+def test_txt_per_file_and_per_paragraph(tmp_path, split, expected):
+    (tmp_path / "t.txt").write_text("first block\nstill first\n\n\nsecond\n  \nthird\n")
+    _, docs, _ = _ingest(tmp_path, SourceConfig(str(tmp_path / "t.txt"), "en", txt_split=split))
+    assert docs.num_rows == expected
+    if split == "paragraph":
+        assert docs.column("text").to_pylist()[0] == "first block\nstill first"
+        assert docs.column("line").to_pylist() == [1, 5, 7]
+
+
+def test_every_bad_record_is_rejected_with_its_reason(tmp_path):
+    lines = [
+        json.dumps({"id": "ok", "text": GOOD}),
+        '{"id": "broken", "text": ',  # invalid JSON
+        json.dumps({"id": "nt"}),  # missing text
+        json.dumps({"id": "num", "text": 42}),  # non-string text
+        json.dumps({"id": "nul", "text": "abc\u0000def"}),  # NUL
+        json.dumps({"id": "empty", "text": "   \n"}),  # empty
+        json.dumps({"id": "big", "text": "x" * 500}),  # over max_record_bytes
+        json.dumps(["not", "an", "object"]),
+        '{"id": "sur", "text": "\\ud800 lone surrogate"}',
+        json.dumps({"id": "ok", "text": GOOD + " again"}),  # duplicate id
+    ]
+    raw = "\n".join(lines).encode() + b"\n" + b'{"id": "bad", "text": "caf\xe9"}\n'
+    (tmp_path / "bad.jsonl").write_bytes(raw)
+    metrics, docs, rejects = _ingest(tmp_path, SourceConfig(str(tmp_path / "bad.jsonl"), "en"),
+                                     max_record_bytes=300)
+    assert docs.column("id").to_pylist() == ["ok"]
+    by_line = dict(zip(rejects.column("line").to_pylist(), _reasons(rejects), strict=True))
+    assert by_line == {
+        2: readers.INVALID_JSON, 3: readers.MISSING_TEXT, 4: readers.NON_STRING_TEXT,
+        5: readers.NUL_BYTES, 6: readers.EMPTY_TEXT, 7: readers.TOO_LARGE,
+        8: readers.NOT_AN_OBJECT, 9: readers.INVALID_UTF8, 10: readers.DUPLICATE_ID,
+        11: readers.INVALID_UTF8,
+    }
+    c = metrics["domains"]["en"]
+    assert c["in"] == 11 and c["kept"] == 1 and sum(c["rejected"].values()) == 10
+    assert set(rejects.column("file").to_pylist()) == {str(tmp_path / "bad.jsonl")}
+
+
+def test_truncated_gzip_keeps_what_was_read_and_counts_the_rest(tmp_path):
+    rows = [{"id": str(i), "text": f"{GOOD} number {i} " * 20} for i in range(200)]
+    data = gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode(), mtime=0)
+    (tmp_path / "t.jsonl.gz").write_bytes(data[: len(data) // 2])
+    metrics, docs, rejects = _ingest(tmp_path, SourceConfig(str(tmp_path / "t.jsonl.gz"), "en"))
+    assert 0 < docs.num_rows < 200
+    assert _reasons(rejects) == [readers.TRUNCATED]
+    assert metrics["domains"]["en"]["rejected"] == {readers.TRUNCATED: 1}
+
+
+def test_over_long_line_is_skipped_without_losing_the_next(tmp_path):
+    _jsonl(tmp_path / "l.jsonl", [{"text": "y" * 5000}, {"id": "after", "text": GOOD}])
+    _, docs, rejects = _ingest(tmp_path, SourceConfig(str(tmp_path / "l.jsonl"), "en"),
+                               max_record_bytes=1000)
+    assert docs.column("id").to_pylist() == ["after"]
+    assert _reasons(rejects) == [readers.TOO_LARGE]
+
+
+def test_glob_matching_nothing_names_the_source(tmp_path):
+    _jsonl(tmp_path / "a.jsonl", [{"text": GOOD}])
+    pattern = str(tmp_path / "x" / "*.jsonl")
+    with pytest.raises(InputError) as err:
+        _ingest(tmp_path, SourceConfig(str(tmp_path / "a.jsonl"), "en"), SourceConfig(pattern, "zh"))
+    assert str(err.value) == f"ingest.sources[1].path: no file matches '{pattern}'"
+
+
+def test_unknown_extension_under_auto_is_an_error(tmp_path):
+    (tmp_path / "data.csv").write_text("text\nhello\n")
+    with pytest.raises(InputError, match="cannot tell the format"):
+        _ingest(tmp_path, SourceConfig(str(tmp_path / "data.csv"), "en"))
+
+
+def test_zst_without_zstandard_is_a_clear_error(tmp_path, monkeypatch):
+    (tmp_path / "a.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd")
+    monkeypatch.setattr(readers, "zstd_available", lambda: False)
+    with pytest.raises(InputError, match="zstandard"):
+        _ingest(tmp_path, SourceConfig(str(tmp_path / "*.zst"), "en"))
+
+
+def test_parts_roll_over_and_are_deterministic_across_workers(tmp_path):
+    for k in range(3):
+        _jsonl(tmp_path / f"p{k}.jsonl", [{"id": f"{k}-{i}", "text": f"{GOOD} {k} {i}"}
+                                          for i in range(7)])
+    src = SourceConfig(str(tmp_path / "p*.jsonl"), "en")
+    run_ingest(IngestConfig(sources=[src], part_docs=5, num_workers=1), tmp_path / "one")
+    run_ingest(IngestConfig(sources=[src], part_docs=5, num_workers=2), tmp_path / "two")
+    one = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert one == [f"part-{i:05d}.parquet" for i in range(5)] + ["rejects.parquet"]
+    for name in one:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+    ids = pq.read_table(tmp_path / "one", columns=["id"]).column("id").to_pylist()
+    assert ids == [f"{k}-{i}" for k in range(3) for i in range(7)]
