@@ -1,0 +1,259 @@
+"""Training and evaluation batches from a shards directory.
+
+The token stream is every shard's tokens concatenated in manifest order. Training
+windows are ``seq_len + 1`` tokens at stride ``seq_len`` (so inputs and shifted targets
+come from one read), visited without replacement in a permutation seeded with
+``seed + epoch``. The loader's whole state is one cursor -- windows handed out so far,
+over all ranks -- stored as ``(epoch, position)``: restoring it replays exactly the
+batches an uninterrupted run would have drawn, also after a change of world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmforge.errors import ConfigError, InputError
+from lmforge.shards.format import (
+    check_shard,
+    open_tokens,
+    read_header,
+    read_index,
+    read_manifest,
+)
+from lmforge.shards.format import verify_checksums as _verify_shard
+
+IGNORE_INDEX = -100  # target value the loss skips (torch cross_entropy's default)
+
+
+class ShardSet:
+    """A shards directory, memory-mapped and validated against its manifest.
+
+    Opening checks every shard's header (magic, version, size, tokenizer hash, counts)
+    and index; ``verify_checksums=True`` also reads every byte and compares sha256.
+    """
+
+    def __init__(self, path: str | Path, verify_checksums: bool = False) -> None:
+        self.path = Path(path)
+        self.manifest: dict[str, Any] = read_manifest(self.path)
+        m = self.manifest
+        self.vocab_size: int = int(m["vocab_size"])
+        self.dtype: np.dtype = np.dtype(m["dtype"])
+        self.tokenizer_sha256: str = m["tokenizer_sha256"]
+        self.domain_names: list[str] = [m["domains"][str(i)] for i in range(len(m["domains"]))]
+        self._tokens: list[np.ndarray] = []
+        ends, nbytes, domains = [], [], []
+        offset = 0
+        for entry in m["shards"]:
+            bin_path = self.path / entry["file"]
+            idx_path = self.path / entry.get("index", Path(entry["file"]).with_suffix(".idx"))
+            header = read_header(bin_path)
+            check_shard(header, bin_path, m, entry)
+            tokens = open_tokens(bin_path, header)
+            index = read_index(idx_path, header.num_docs, header.num_tokens,
+                               len(self.domain_names))
+            if verify_checksums:
+                _verify_shard(bin_path, idx_path, entry, tokens, self.vocab_size)
+            self._tokens.append(tokens)
+            ends.append(index.ends.astype(np.int64) + offset)
+            nbytes.append(index.nbytes)
+            domains.append(index.domains)
+            offset += header.num_tokens
+        self.num_tokens: int = offset
+        if self.num_tokens == 0:
+            raise InputError(f"{self.path}: the shard set holds no tokens")
+        # Start offset of each shard in the concatenated stream, plus the total at the end.
+        self._offsets = np.cumsum([0] + [len(t) for t in self._tokens]).astype(np.int64)
+        self.doc_ends: np.ndarray = np.concatenate(ends)  # global end offset per document
+        self.doc_bytes: np.ndarray = np.concatenate(nbytes)
+        self.doc_domains: np.ndarray = np.concatenate(domains).astype(np.int64)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` of the concatenated stream as int64."""
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise IndexError(f"token range [{start}, {stop}) outside [0, {self.num_tokens})")
+        first = int(np.searchsorted(self._offsets, start, "right")) - 1
+        parts = []
+        s = first
+        while start < stop:
+            lo = start - int(self._offsets[s])
+            hi = min(stop, int(self._offsets[s + 1])) - int(self._offsets[s])
+            parts.append(np.asarray(self._tokens[s][lo:hi], dtype=np.int64))
+            start += hi - lo
+            s += 1
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """``(len(starts), length)`` int64 tokens: one row per window start."""
+        starts = np.asarray(starts, dtype=np.int64)
+        out = np.empty((len(starts), length), dtype=np.int64)
+        first = np.searchsorted(self._offsets, starts, "right") - 1
+        last = np.searchsorted(self._offsets, starts + length - 1, "right") - 1
+        inside = first == last
+        ar = np.arange(length, dtype=np.int64)
+        for s in np.unique(first[inside]):
+            rows = np.flatnonzero(inside & (first == s))
+            local = starts[rows] - self._offsets[s]
+            out[rows] = self._tokens[s][local[:, None] + ar]
+        # Windows that straddle a shard boundary are rare: one per boundary at most.
+        for row in np.flatnonzero(~inside):
+            out[row] = self.read(int(starts[row]), int(starts[row]) + length)
+        return out
+
+    def doc_of(self, positions: np.ndarray) -> np.ndarray:
+        """Index of the document each token position belongs to (same shape, int64)."""
+        return np.searchsorted(self.doc_ends, positions, "right")
+
+    def domain_of(self, positions: np.ndarray) -> np.ndarray:
+        """Domain code of the document each token position belongs to (int64)."""
+        return self.doc_domains[self.doc_of(positions)]
+
+    def doc_starts(self) -> np.ndarray:
+        """Global start offset of every document (int64)."""
+        return np.concatenate([[0], self.doc_ends[:-1]]).astype(np.int64)
+
+
+class WindowLoader:
+    """Seeded, resumable, rank-sharded training batches of ``seq_len + 1``-token windows.
+
+    Rank ``r`` of ``world_size`` takes every ``world_size``-th window of the epoch's
+    permutation, so the ranks are disjoint and together cover every window once per
+    epoch. With ``align_to_docs`` every window starts at a document start or at a
+    multiple of ``seq_len`` inside a long document, so no document begins mid-window
+    without its first tokens being seen as context somewhere.
+    """
+
+    def __init__(self, shards: ShardSet, seq_len: int, batch_size: int, seed: int,
+                 rank: int = 0, world_size: int = 1, align_to_docs: bool = False) -> None:
+        if seq_len <= 0 or batch_size <= 0:
+            raise ConfigError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be > 0")
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} is outside world_size {world_size}")
+        self.shards = shards
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.align_to_docs = align_to_docs
+        self._starts = _doc_aligned_starts(shards, seq_len) if align_to_docs else None
+        self.num_windows = (len(self._starts) if self._starts is not None
+                            else (shards.num_tokens - 1) // seq_len)
+        if self.num_windows == 0:
+            raise InputError(f"{shards.path}: {shards.num_tokens} tokens are fewer than one "
+                             f"window of seq_len + 1 = {seq_len + 1}")
+        self._cursor = 0  # windows handed out so far, over all ranks and epochs
+        self._perms: dict[int, np.ndarray] = {}
+        self.last_starts = np.zeros(0, np.int64)  # stream offsets of the last batch's windows
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next window comes from."""
+        return self._cursor // self.num_windows
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)``, each ``(batch_size, seq_len)`` int64; targets = inputs + 1."""
+        steps = np.arange(self.batch_size, dtype=np.int64)
+        cursors = self._cursor + steps * self.world_size + self.rank
+        epochs, slots = np.divmod(cursors, self.num_windows)
+        windows = np.empty(self.batch_size, dtype=np.int64)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            windows[sel] = self._permutation(int(e))[slots[sel]]
+        starts = self._starts[windows] if self._starts is not None else windows * self.seq_len
+        tokens = self.shards.windows(starts, self.seq_len + 1)
+        self._cursor += self.batch_size * self.world_size
+        self.last_starts = starts
+        return (torch.from_numpy(np.ascontiguousarray(tokens[:, :-1])),
+                torch.from_numpy(np.ascontiguousarray(tokens[:, 1:])))
+
+    def state_dict(self) -> dict:
+        """The position as plain ints (safe for ``torch.load(weights_only=True)``)."""
+        epoch, position = divmod(self._cursor, self.num_windows)
+        return {"epoch": int(epoch), "position": int(position),
+                "num_windows": int(self.num_windows), "seq_len": int(self.seq_len),
+                "seed": int(self.seed), "align_to_docs": int(self.align_to_docs)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at a saved position; refuse a state from a different window layout."""
+        for key in ("seq_len", "seed", "num_windows", "align_to_docs"):
+            mine = int(getattr(self, key))
+            if key in state and int(state[key]) != mine:
+                raise ConfigError(f"loader state has {key}={state[key]} but this loader has "
+                                  f"{key}={mine}; the data or its layout changed since the "
+                                  "checkpoint")
+        self._cursor = int(state["epoch"]) * self.num_windows + int(state["position"])
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            # Keep the current and next epoch only: a batch spans at most two.
+            self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
+            rng = np.random.default_rng(self.seed + epoch)
+            self._perms[epoch] = rng.permutation(self.num_windows)
+        return self._perms[epoch]
+
+
+def _doc_aligned_starts(shards: ShardSet, seq_len: int) -> np.ndarray:
+    """Window starts at each document start, then every ``seq_len`` inside long documents."""
+    starts = shards.doc_starts()
+    lengths = shards.doc_ends - starts
+    # Windows a document needs so each of its tokens after the first is a target once.
+    counts = np.maximum(1, -(-(lengths - 1) // seq_len))
+    group_first = np.repeat(np.cumsum(counts) - counts, counts)
+    k = np.arange(int(counts.sum()), dtype=np.int64) - group_first
+    out = np.repeat(starts, counts) + k * seq_len
+    return out[out + seq_len + 1 <= shards.num_tokens]
+
+
+def eval_batches(shards: ShardSet, seq_len: int, batch_size: int,
+                 max_batches: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """Deterministic evaluation batches; every token after the first is a target once.
+
+    Windows of ``seq_len + 1`` tokens at stride ``seq_len``; the final partial window is
+    padded (input 0, target ``IGNORE_INDEX``, domain -1). Yields ``input``, ``target``
+    and ``domain`` (the domain code of each target token), all ``(B, seq_len)`` int64;
+    the last batch may be smaller. ``max_batches > 0`` scores that many batches of
+    windows spread evenly over the stream instead of a full pass.
+    """
+    if seq_len <= 0 or batch_size <= 0:
+        raise ConfigError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be > 0")
+    n = shards.num_tokens
+    full = (n - 1) // seq_len
+    tail = (n - 1) - full * seq_len  # targets left after the last full window
+    if max_batches > 0 and max_batches * batch_size < full + (tail > 0):
+        picks = np.linspace(0, full - 1, max_batches * batch_size) if full else np.zeros(0)
+        starts = np.unique(np.round(picks).astype(np.int64)) * seq_len
+        tail = 0
+    else:
+        starts = np.arange(full, dtype=np.int64) * seq_len
+    ar = np.arange(seq_len, dtype=np.int64)
+    rows = len(starts) + (tail > 0)
+    for lo in range(0, rows, batch_size):
+        batch_starts = starts[lo:lo + batch_size]
+        tokens = shards.windows(batch_starts, seq_len + 1)
+        inp, tgt = tokens[:, :-1], tokens[:, 1:]
+        dom = shards.domain_of(batch_starts[:, None] + 1 + ar)
+        if lo + batch_size >= rows and tail > 0:
+            t_inp, t_tgt, t_dom = _tail_window(shards, full * seq_len, tail, seq_len)
+            inp, tgt, dom = (np.concatenate([inp, t_inp]), np.concatenate([tgt, t_tgt]),
+                             np.concatenate([dom, t_dom]))
+        yield {"input": torch.from_numpy(np.ascontiguousarray(inp)),
+               "target": torch.from_numpy(np.ascontiguousarray(tgt)),
+               "domain": torch.from_numpy(np.ascontiguousarray(dom))}
+
+
+def _tail_window(shards: ShardSet, start: int, tail: int,
+                 seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The last, partial window as padded ``(1, seq_len)`` input/target/domain rows."""
+    tokens = shards.read(start, start + tail + 1)
+    inp = np.zeros((1, seq_len), np.int64)
+    tgt = np.full((1, seq_len), IGNORE_INDEX, np.int64)
+    dom = np.full((1, seq_len), -1, np.int64)
+    inp[0, :tail] = tokens[:-1]
+    tgt[0, :tail] = tokens[1:]
+    dom[0, :tail] = shards.domain_of(start + 1 + np.arange(tail, dtype=np.int64))
+    return inp, tgt, dom

@@ -1,0 +1,175 @@
+"""Write token shards: documents in, ``shard-NNNNN.{bin,idx}`` + ``manifest.json`` out.
+
+The writer streams: tokens go straight to the open ``.bin``; only the per-document index
+of the current shard is held in memory. A document is never split across shards: a shard
+holds at most ``shard_tokens`` tokens, except one holding a single longer document. Write into a temporary directory
+(``lmforge.io.atomic_dir``) so a killed run leaves no half-written shard set.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from lmforge.errors import InputError
+from lmforge.io import write_json
+from lmforge.shards.format import (
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    MANIFEST,
+    DocIndex,
+    ShardHeader,
+    file_sha256,
+    token_dtype,
+)
+
+
+class ShardWriter:
+    """Append documents (as one flat token array + per-document lengths) to shards."""
+
+    def __init__(self, out_dir: str | Path, vocab_size: int, tokenizer_sha256: str,
+                 domain_names: list[str], shard_tokens: int) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.vocab_size = vocab_size
+        self.dtype = token_dtype(vocab_size)
+        # Ids are checked against this before writing: a wider id must fail, never wrap.
+        self._max_id = min(vocab_size - 1, int(np.iinfo(self.dtype).max))
+        self.tokenizer_sha256 = tokenizer_sha256
+        self.domain_names = list(domain_names)
+        self.shard_tokens = shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self.totals = {name: {"docs": 0, "tokens": 0, "bytes": 0} for name in domain_names}
+        self._file: BinaryIO | None = None
+        self._ntok = 0
+        self._lens: list[np.ndarray] = []
+        self._nbytes: list[np.ndarray] = []
+        self._domains: list[np.ndarray] = []
+
+    def add(self, tokens: np.ndarray, doc_lengths: np.ndarray, doc_bytes: np.ndarray,
+            doc_domains: np.ndarray) -> None:
+        """Append documents: ``tokens`` is their ids back to back, split by ``doc_lengths``."""
+        doc_lengths = np.asarray(doc_lengths, dtype=np.int64)
+        doc_bytes = np.asarray(doc_bytes, dtype=np.uint64)
+        doc_domains = np.asarray(doc_domains, dtype=np.uint16)
+        if len(doc_domains) and int(doc_domains.max()) >= len(self.domain_names):
+            raise ValueError(f"domain code {int(doc_domains.max())} has no name")
+        if int(doc_lengths.sum()) != len(tokens):
+            raise ValueError("doc_lengths do not add up to the token count")
+        if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) > self._max_id):
+            bad = int(tokens.max()) if int(tokens.max()) > self._max_id else int(tokens.min())
+            raise InputError(f"token id {bad} outside [0, {self._max_id}] for vocab size "
+                             f"{self.vocab_size} ({self.dtype.name}); refusing to truncate")
+        ends = np.cumsum(doc_lengths)
+        start = 0
+        while start < len(doc_lengths):
+            if self._file is None:
+                self._open()
+            # Whole documents that still fit; an empty shard takes at least one.
+            base = int(ends[start - 1]) if start else 0
+            stop = int(np.searchsorted(ends, base + self.shard_tokens - self._ntok, "right"))
+            if self._ntok == 0:
+                stop = max(stop, start + 1)
+            if stop == start:  # the next document does not fit: start a new shard
+                self._finish()
+                continue
+            self._write(tokens[base:int(ends[stop - 1])], doc_lengths[start:stop],
+                        doc_bytes[start:stop], doc_domains[start:stop])
+            start = stop
+            if self._ntok >= self.shard_tokens:
+                self._finish()
+
+    def close(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Finish the last shard and write ``manifest.json`` (plus ``extra`` keys)."""
+        if self._file is not None:
+            self._finish()
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "dtype": self.dtype.name,
+            "vocab_size": self.vocab_size,
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "domains": {str(code): name for code, name in enumerate(self.domain_names)},
+            "shards": self.shards,
+            "num_tokens": sum(s["tokens"] for s in self.shards),
+            "num_docs": sum(s["docs"] for s in self.shards),
+            "totals": self.totals,
+            **(extra or {}),
+        }
+        write_json(self.out_dir / MANIFEST, manifest)
+        return manifest
+
+    # ---------------------------------------------------------------- one shard
+
+    def _open(self) -> None:
+        path = self.out_dir / f"shard-{len(self.shards):05d}.bin"
+        self._file = open(path, "wb")  # noqa: SIM115 -- held open across add() calls
+        self._file.write(b"\0" * HEADER_SIZE)  # the real header is written on _finish
+        self._ntok = 0
+
+    def _write(self, tokens: np.ndarray, lens: np.ndarray, nbytes: np.ndarray,
+               domains: np.ndarray) -> None:
+        assert self._file is not None
+        self._file.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        self._ntok += len(tokens)
+        self._lens.append(lens)
+        self._nbytes.append(nbytes)
+        self._domains.append(domains)
+        for code in np.unique(domains):
+            sel = domains == code
+            t = self.totals[self.domain_names[int(code)]]
+            t["docs"] += int(sel.sum())
+            t["tokens"] += int(lens[sel].sum())
+            t["bytes"] += int(nbytes[sel].sum())
+
+    def _finish(self) -> None:
+        assert self._file is not None
+        lens = np.concatenate(self._lens) if self._lens else np.zeros(0, np.int64)
+        index = DocIndex(
+            ends=np.cumsum(lens).astype(np.uint64),
+            nbytes=np.concatenate(self._nbytes) if self._nbytes else np.zeros(0, np.uint64),
+            domains=np.concatenate(self._domains) if self._domains else np.zeros(0, np.uint16),
+        )
+        header = ShardHeader(FORMAT_VERSION, self.dtype, self._ntok, len(lens),
+                             self.vocab_size, self.tokenizer_sha256)
+        self._file.seek(0)
+        self._file.write(header.pack())
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+        bin_path = self.out_dir / f"shard-{len(self.shards):05d}.bin"
+        idx_path = bin_path.with_suffix(".idx")
+        idx_path.write_bytes(index.pack(self._ntok))
+        self.shards.append({
+            "file": bin_path.name,
+            "index": idx_path.name,
+            "tokens": self._ntok,
+            "docs": len(lens),
+            "bytes": bin_path.stat().st_size,
+            "sha256": file_sha256(bin_path),
+            "idx_sha256": file_sha256(idx_path),
+        })
+        self._lens, self._nbytes, self._domains = [], [], []
+        self._ntok = 0
+
+
+def write_shards(out_dir: str | Path, docs: list, vocab_size: int,
+                 domains: list[int] | None = None, domain_names: list[str] | None = None,
+                 doc_bytes: list[int] | None = None, tokenizer_sha256: str = "0" * 64,
+                 shard_tokens: int = 1 << 30) -> dict[str, Any]:
+    """Write already-tokenized documents (lists of ids) as a shard set; return the manifest.
+
+    A convenience for tests and tools: domains default to 0 (``"domain0"``), byte lengths
+    to the token counts.
+    """
+    lens = np.array([len(d) for d in docs], dtype=np.int64)
+    flat = (np.concatenate([np.asarray(d, dtype=np.int64) for d in docs])
+            if docs else np.zeros(0, np.int64))
+    domains = domains if domains is not None else [0] * len(docs)
+    names = domain_names or [f"domain{i}" for i in range(max(domains, default=0) + 1)]
+    writer = ShardWriter(out_dir, vocab_size, tokenizer_sha256, names, shard_tokens)
+    writer.add(flat, lens, doc_bytes if doc_bytes is not None else lens, np.asarray(domains))
+    return writer.close()

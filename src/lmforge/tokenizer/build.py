@@ -1,0 +1,56 @@
+"""The tokenizer stage: sample mixed/train, train, write the model, score it on mixed/val."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from lmforge.config import TokenizerConfig, section_dict
+from lmforge.errors import InputError
+from lmforge.io import atomic_dir
+from lmforge.tokenizer import Tokenizer
+from lmforge.tokenizer.corpus import list_parts
+from lmforge.tokenizer.report import heldout_stats, vocab_stats
+from lmforge.tokenizer.sample import balanced_sample
+from lmforge.tokenizer.train import train_model, vocab_text
+
+MODEL_NAME = "tokenizer.model"
+
+
+def build_tokenizer(train_dir: str | Path, val_dir: str | Path, out_dir: str | Path,
+                    cfg: TokenizerConfig) -> dict[str, Any]:
+    """Train a tokenizer on a sample of ``train_dir``; write ``out_dir``; return metrics."""
+    train_parts, val_parts = list_parts(train_dir), list_parts(val_dir)
+    t0 = time.perf_counter()
+    sample = balanced_sample(train_parts, cfg.sample_chars, cfg.seed)
+    sample_seconds = time.perf_counter() - t0
+    if not sample.texts:
+        raise InputError(f"{train_dir}: no text to train the tokenizer on")
+    model, train_seconds = train_model(sample.texts, cfg)
+    with atomic_dir(out_dir) as tmp:
+        (tmp / MODEL_NAME).write_bytes(model)
+        (tmp / MODEL_NAME).with_suffix(".vocab").write_text(vocab_text(model), encoding="utf-8")
+    tok = Tokenizer(model, str(Path(out_dir) / MODEL_NAME))
+    held = heldout_stats(tok, val_parts, cfg.num_threads)
+    failures = held["all"]["roundtrip_failures"]
+    return {
+        "params": section_dict(cfg),
+        "sha256": tok.sha256,
+        "vocab_size": tok.vocab_size,
+        # Lossless by construction (identity normalisation + byte fallback), and checked.
+        "lossless": cfg.normalization == "identity" and cfg.byte_fallback and failures == 0,
+        "roundtrip_failures": failures,
+        **vocab_stats(tok),
+        "chars_per_token": {d: s["chars_per_token"] for d, s in held["domains"].items()}
+        | {"all": held["all"]["chars_per_token"]},
+        "byte_fallback_rate": {d: s["byte_fallback_rate"] for d, s in held["domains"].items()}
+        | {"all": held["all"]["byte_fallback_rate"]},
+        "heldout": held,
+        "sample": {"chars": sum(sample.chars_per_domain.values()),
+                   "chars_per_domain": sample.chars_per_domain,
+                   "available_chars": sample.available_chars,
+                   "repeated_ids_skipped": sample.repeats_skipped},
+        "sample_seconds": round(sample_seconds, 3),
+        "train_seconds": round(train_seconds, 3),
+    }

@@ -1,0 +1,23 @@
+"""DVC stage: tokenize data/mixed/{train,val} into data/shards/{train,val}."""
+
+from __future__ import annotations
+
+from lmforge.config import Params
+from lmforge.io import write_json
+from lmforge.shards.build import build_shards
+from lmforge.stage import repo_root, run_stage
+
+
+def main(params: Params) -> None:
+    root = repo_root()
+    metrics = build_shards(root / "data/mixed", root / "models/tokenizer/tokenizer.model",
+                           root / "data/shards", params.shards)
+    write_json(root / "metrics/shards.json", metrics)
+    for split in ("train", "val"):
+        m = metrics[split]
+        print(f"shards/{split}: {m['docs']} docs, {m['tokens']} tokens in {m['shards']} "
+              f"shard(s), {m['tokens_per_sec']} tokens/s")
+
+
+if __name__ == "__main__":
+    run_stage(main)

@@ -1,0 +1,22 @@
+"""DVC stage: train the sentencepiece tokenizer on a sample of data/mixed/train."""
+
+from __future__ import annotations
+
+from lmforge.config import Params
+from lmforge.io import write_json
+from lmforge.stage import repo_root, run_stage
+from lmforge.tokenizer.build import build_tokenizer
+
+
+def main(params: Params) -> None:
+    root = repo_root()
+    metrics = build_tokenizer(root / "data/mixed/train", root / "data/mixed/val",
+                              root / "models/tokenizer", params.tokenizer)
+    write_json(root / "metrics/tokenizer.json", metrics)
+    print(f"tokenizer: vocab {metrics['vocab_size']}, {metrics['merges_learned']} merges, "
+          f"alphabet {metrics['alphabet_size']}, {metrics['chars_per_token']['all']} chars/token, "
+          f"lossless={metrics['lossless']}, trained in {metrics['train_seconds']} s")
+
+
+if __name__ == "__main__":
+    run_stage(main)

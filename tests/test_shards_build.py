@@ -1,0 +1,160 @@
+"""The shards stage end to end: mixed parquet + tokenizer in, verified shard sets out."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from lmforge.config import ShardsConfig, TokenizerConfig
+from lmforge.errors import InputError
+from lmforge.shards import ShardSet, WindowLoader
+from lmforge.shards.build import build_shards
+from lmforge.tokenizer import Tokenizer
+from lmforge.tokenizer.train import train_model
+
+REPO = Path(__file__).resolve().parents[1]
+PIECES = ["alpha", "beta", "gamma", "数据", "模型", "    return x\n", "\t", "😀", "\n", " "]
+
+
+def _docs(rng: random.Random, n: int) -> list[str]:
+    return ["".join(rng.choices(PIECES, k=rng.randint(0, 60))) for _ in range(n)]
+
+
+def write_mixed(root: Path, seed: int = 0) -> dict[str, list[tuple[str, str]]]:
+    """Mixed parts for both splits; return (text, domain) per split in file order."""
+    rng = random.Random(seed)
+    rows: dict[str, list[tuple[str, str]]] = {}
+    for split, n_parts in (("train", 3), ("val", 1)):
+        rows[split] = []
+        for p in range(n_parts):
+            texts = _docs(rng, 50)
+            domains = [rng.choice(["prose", "code", "zh"]) for _ in texts]
+            if split == "val":
+                domains = ["zh" if d == "prose" else d for d in domains]  # a domain missing
+            out = root / "data" / "mixed" / split / f"part-{p:05d}.parquet"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            pq.write_table(pa.table({"id": [f"{split}{p}-{i}" for i in range(50)],
+                                     "text": texts, "domain": domains,
+                                     "source": ["t"] * 50}), out, compression="zstd")
+            rows[split] += list(zip(texts, domains, strict=True))
+    return rows
+
+
+def write_tokenizer(root: Path, rows) -> Path:
+    cfg = TokenizerConfig(vocab_size=300, num_threads=1)
+    model, _ = train_model([t for t, _ in rows["train"]], cfg)
+    path = root / "models" / "tokenizer" / "tokenizer.model"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(model)
+    return path
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("repo")
+    rows = write_mixed(root)
+    tok_path = write_tokenizer(root, rows)
+    cfg = ShardsConfig(shard_tokens=2000, num_workers=2)
+    metrics = build_shards(root / "data/mixed", tok_path, root / "data/shards", cfg)
+    return root, rows, Tokenizer.load(tok_path), metrics, cfg
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_every_document_decodes_back(built, split):
+    root, rows, tok, metrics, _ = built
+    s = ShardSet(root / "data/shards" / split, verify_checksums=True)
+    assert s.tokenizer_sha256 == tok.sha256
+    assert s.domain_names == ["code", "prose", "zh"]  # one table for both splits
+    assert len(s.doc_ends) == len(rows[split])
+    starts = s.doc_starts()
+    for i, (text, domain) in enumerate(rows[split]):
+        ids = s.read(int(starts[i]), int(s.doc_ends[i]))
+        assert ids[-1] == tok.eos_id  # EOS after every document
+        assert tok.decode(ids[:-1].tolist()) == text
+        assert s.domain_names[s.doc_domains[i]] == domain
+        assert s.doc_bytes[i] == len(text.encode("utf-8"))
+    assert metrics[split]["tokens"] == s.num_tokens
+    assert metrics[split]["docs"] == len(rows[split])
+
+
+def test_shards_split_and_totals(built):
+    root, rows, _, metrics, cfg = built
+    s = ShardSet(root / "data/shards/train")
+    m = s.manifest
+    assert len(m["shards"]) > 1 and all(sh["tokens"] <= cfg.shard_tokens for sh in m["shards"])
+    assert m["dtype"] == "uint16" and m["eos"] is True and m["bos"] is False
+    for code, name in enumerate(s.domain_names):
+        sel = s.doc_domains == code
+        lens = np.diff(np.concatenate([[0], s.doc_ends]))
+        assert m["totals"][name] == {"docs": int(sel.sum()), "tokens": int(lens[sel].sum()),
+                                     "bytes": int(s.doc_bytes[sel].sum())}
+    assert metrics["val"]["per_domain"]["prose"]["docs"] == 0
+
+
+def test_output_is_deterministic(built, tmp_path):
+    root, _, _, _, cfg = built
+    build_shards(root / "data/mixed", root / "models/tokenizer/tokenizer.model",
+                 tmp_path, ShardsConfig(shard_tokens=cfg.shard_tokens, num_workers=1))
+    for split in ("train", "val"):
+        for f in sorted((root / "data/shards" / split).iterdir()):
+            assert f.read_bytes() == (tmp_path / split / f.name).read_bytes(), f.name
+
+
+def test_bos_is_prepended_when_asked(built, tmp_path):
+    root, rows, tok, _, _ = built
+    build_shards(root / "data/mixed", root / "models/tokenizer/tokenizer.model", tmp_path,
+                 ShardsConfig(bos=True, eos=False))
+    s = ShardSet(tmp_path / "val")
+    assert np.all(s.read(0, s.num_tokens)[s.doc_starts()] == tok.bos_id)
+    assert s.num_tokens == sum(len(tok.encode(t)) + 1 for t, _ in rows["val"])
+
+
+def test_loader_reads_stage_output(built):
+    root, _, _, _, _ = built
+    loader = WindowLoader(ShardSet(root / "data/shards/train"), seq_len=16, batch_size=4, seed=0)
+    x, y = loader.next_batch()
+    assert x.shape == (4, 16) and bool((x[:, 1:] == y[:, :-1]).all())
+
+
+def test_wrong_text_type_is_reported(tmp_path):
+    for split in ("train", "val"):
+        out = tmp_path / "mixed" / split / "part-00000.parquet"
+        out.parent.mkdir(parents=True)
+        pq.write_table(pa.table({"id": ["a"], "text": [3], "domain": ["d"]}), out)
+    model, _ = train_model(["abc def"] * 50, TokenizerConfig(vocab_size=270, num_threads=1))
+    (tmp_path / "t.model").write_bytes(model)
+    with pytest.raises(InputError, match=r"part-00000\.parquet: column 'text' is int64"):
+        build_shards(tmp_path / "mixed", tmp_path / "t.model", tmp_path / "out", ShardsConfig())
+    assert not (tmp_path / "out" / "train").exists()  # nothing half-written
+
+
+def test_stages_run_from_the_command_line(built, tmp_path):
+    """``python -m stages.tokenizer`` then ``stages.shards`` in a scratch repo; errors exit 2."""
+    src, _, _, _, _ = built
+    root, empty = tmp_path / "repo", tmp_path / "empty"
+    shutil.copytree(src / "data/mixed", root / "data/mixed")
+    empty.mkdir()
+    params = (REPO / "params.yaml").read_text().replace("vocab_size: 8192", "vocab_size: 300")
+    for d in (root, empty):
+        (d / "params.yaml").write_text(params)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'src'}"}
+    env.pop("DVC_ROOT", None)
+    for stage in ("tokenizer", "shards"):
+        r = subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert (root / "metrics" / f"{stage}.json").is_file()
+    assert ShardSet(root / "data/shards/val").tokenizer_sha256 == \
+        Tokenizer.load(root / "models/tokenizer/tokenizer.model").sha256
+    r = subprocess.run([sys.executable, "-m", "stages.shards"], cwd=empty, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "tokenizer.model" in r.stderr
