@@ -1,0 +1,219 @@
+"""``lmforge export hf`` / ``lmforge import hf``: our model dir <-> a Llama-format folder.
+
+Our model dir (``models/final``) holds ``model.safetensors``, ``config.json`` and
+``tokenizer.model``; a Hugging Face Llama folder holds ``config.json`` (a LlamaConfig),
+``model.safetensors`` (or shards + ``model.safetensors.index.json``),
+``generation_config.json`` and tokenizer files. The weights are the same tensors under
+other names, so both directions are exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from lmforge.errors import InputError
+from lmforge.export.hf_config import from_hf_config, to_hf_config
+from lmforge.export.hf_names import our_name, to_hf_state
+from lmforge.export.hf_tokenizer import TOKENIZER_MODEL, read_proto, write_hf_tokenizer
+from lmforge.io import atomic_dir, write_json
+from lmforge.model.llama import Llama
+from lmforge.model.saved import CONFIG, WEIGHTS, load_model, model_state, save_model
+
+HF_INDEX = "model.safetensors.index.json"
+
+
+def export_hf(model_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write ``model_dir`` (ours) as a Hugging Face Llama folder at ``out_dir``; return it."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    _check_writable(out_dir, model_dir)
+    model, config = load_model(model_dir)
+    sp_path = model_dir / TOKENIZER_MODEL
+    if not sp_path.is_file():
+        raise InputError(f"{sp_path}: no tokenizer beside the model (run the train stage)")
+    want = config.get("tokenizer_sha256")
+    if want and _sha256(sp_path) != want:
+        raise InputError(f"{sp_path}: does not match the tokenizer the model was trained with "
+                         f"(sha256 {want[:12]})")
+    special = config.get("special_ids") or {}
+    state = to_hf_state(model_state(model))
+    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    with atomic_dir(out_dir) as tmp:
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        write_json(tmp / CONFIG, to_hf_config(model.config, model.vocab_size, special, dtype))
+        write_json(tmp / "generation_config.json", _generation_config(special))
+        write_hf_tokenizer(sp_path, tmp, special, model.config.seq_len)
+    return out_dir
+
+
+def _generation_config(special: dict[str, int]) -> dict[str, Any]:
+    ids = {f"{k}_token_id": special[k] for k in ("bos", "eos", "pad")
+           if special.get(k, -1) >= 0}
+    return {**ids, "do_sample": True, "temperature": 0.8, "top_k": 50}
+
+
+def import_hf(in_dir: str | Path, out_dir: str | Path, seq_len: int | None = None) -> Path:
+    """Convert a Hugging Face Llama folder into our model dir format at ``out_dir``; return it.
+
+    ``seq_len`` caps the context (default: the checkpoint's ``max_position_embeddings``).
+    The weights are stored in fp32, as training keeps them. A ``tokenizer.model`` in
+    ``in_dir`` is copied along; without one the special ids come from config.json.
+    """
+    in_dir, out_dir = Path(in_dir), Path(out_dir)
+    _check_writable(out_dir, in_dir)
+    cfg_path = in_dir / CONFIG
+    hf = _read_json(cfg_path)
+    cfg, vocab_size = from_hf_config(hf, str(cfg_path), seq_len)
+    state = _our_state(_read_hf_weights(in_dir), cfg.tie_embeddings, in_dir)
+    with torch.device("meta"):
+        model = Llama(cfg, vocab_size)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        first = str(e).splitlines()[1].strip() if "\n" in str(e) else str(e)
+        raise InputError(f"{in_dir}: weights do not match {cfg_path} ({first})") from None
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.tok_embeddings.weight
+    sp_path = in_dir / TOKENIZER_MODEL
+    tokenizer = sp_path if sp_path.is_file() else None
+    special = _special_ids(hf, tokenizer)
+    extra: dict[str, Any] = {"special_ids": special, "source": {"hf": str(in_dir.resolve())}}
+    if tokenizer is not None:
+        extra["tokenizer_sha256"] = _sha256(tokenizer)
+    save_model(model, out_dir, tokenizer, **extra)
+    return out_dir
+
+
+def _read_hf_weights(in_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of ``model.safetensors`` or of the shards its index lists."""
+    index = in_dir / HF_INDEX
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise InputError(f"{index}: no 'weight_map'")
+        files = sorted(set(weight_map.values()))
+    elif (in_dir / WEIGHTS).is_file():
+        files = [WEIGHTS]
+    else:
+        found = [p.name for p in in_dir.glob("*.bin")]
+        hint = (f"; found {found[0]}: convert it to safetensors first"
+                if found else "")
+        raise InputError(f"{in_dir}: no {WEIGHTS} or {HF_INDEX}{hint}")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = in_dir / name
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 -- safe_open has no __iter__
+                    tensors[key] = f.get_tensor(key)
+        except FileNotFoundError:
+            raise InputError(f"{path}: listed in {HF_INDEX} but missing") from None
+        except Exception as e:  # safetensors raises its own error types
+            raise InputError(f"{path}: unreadable safetensors file ({e})") from None
+    return tensors
+
+
+def _our_state(tensors: dict[str, torch.Tensor], tied: bool, in_dir: Path
+               ) -> dict[str, torch.Tensor]:
+    """Rename to our names and upcast to fp32; a tied head is taken from the embedding."""
+    state: dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():
+        try:
+            name = our_name(key)
+        except KeyError:
+            raise InputError(f"{in_dir}: tensor '{key}' has no counterpart in lmforge's "
+                             "Llama (biases and other extras are not supported)") from None
+        if name is not None:
+            state[name] = value.float() if value.is_floating_point() else value
+    if tied:
+        # Some exports store the tied head anyway; it must be the embedding itself.
+        head = state.pop("lm_head.weight", None)
+        emb = state.get("tok_embeddings.weight")
+        if head is not None and emb is not None and not torch.equal(head, emb):
+            raise InputError(f"{in_dir}: tie_word_embeddings is true but lm_head.weight "
+                             "differs from the embedding")
+        if emb is not None:
+            state["lm_head.weight"] = emb
+    return state
+
+
+def _special_ids(hf: dict[str, Any], tokenizer: Path | None) -> dict[str, int]:
+    """bos/eos/pad/unk ids: the sentencepiece model's when there is one, else config.json's."""
+    if tokenizer is not None:
+        spec = read_proto(tokenizer).trainer_spec
+        return {"bos": spec.bos_id, "eos": spec.eos_id, "pad": spec.pad_id, "unk": spec.unk_id}
+
+    def first(value: Any) -> int:
+        if isinstance(value, list):  # Llama 3 lists several EOS ids
+            value = value[0] if value else None
+        return int(value) if value is not None else -1
+
+    return {"bos": first(hf.get("bos_token_id")), "eos": first(hf.get("eos_token_id")),
+            "pad": first(hf.get("pad_token_id")), "unk": -1}
+
+
+def _check_writable(out_dir: Path, src: Path) -> None:
+    """Refuse to replace the source, or a non-empty folder that holds no model."""
+    if out_dir.resolve() == src.resolve():
+        raise InputError(f"{out_dir}: output folder is the input folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / CONFIG).is_file():
+        raise InputError(f"{out_dir}: exists and is not a model folder; refusing to replace it")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError(f"{out_dir}: exists and is not a folder")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{path}: not found") from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a JSON object")
+    return data
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    """``lmforge export hf OUT_DIR``."""
+    out = export_hf(args.model, args.out_dir)
+    print(f"exported {args.model} -> {out} (transformers.LlamaForCausalLM.from_pretrained)")
+
+
+def cmd_import(args: argparse.Namespace) -> None:
+    """``lmforge import hf IN_DIR``."""
+    out = import_hf(args.in_dir, args.out, seq_len=args.seq_len)
+    print(f"imported {args.in_dir} -> {out}")
+
+
+def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``export hf OUT_DIR [--model DIR]``."""
+    export = subparsers.add_parser("export", help="export a trained model to another format")
+    formats = export.add_subparsers(dest="format", required=True)
+    hf = formats.add_parser("hf", help="Hugging Face Llama format (LlamaForCausalLM)")
+    hf.add_argument("out_dir", help="folder to write (replaced if it holds a model)")
+    hf.add_argument("--model", default="models/final", help="our model folder")
+    hf.set_defaults(func=cmd_export)
+
+
+def add_import_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``import hf IN_DIR [--out DIR] [--seq-len N]``."""
+    imp = subparsers.add_parser("import", help="import a model from another format")
+    formats = imp.add_subparsers(dest="format", required=True)
+    hf = formats.add_parser("hf", help="a Hugging Face Llama-format folder")
+    hf.add_argument("in_dir", help="folder with config.json + safetensors")
+    hf.add_argument("--out", default="models/final", help="our model folder to write")
+    hf.add_argument("--seq-len", type=int, default=None,
+                    help="context length (default: max_position_embeddings)")
+    hf.set_defaults(func=cmd_import)

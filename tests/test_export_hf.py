@@ -1,0 +1,234 @@
+"""Hugging Face Llama export/import: transformers loads our model with the same logits,
+the tokenizer files encode to our ids, and import -> export gives back the same weights."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lmforge.config import ModelConfig, TokenizerConfig
+from lmforge.errors import InputError
+from lmforge.export import add_export_parser, add_import_parser, export_hf, import_hf
+from lmforge.export.hf_config import ffn_multiple_for
+from lmforge.model import Llama, load_model, save_model
+from lmforge.model.llama import ffn_hidden_size
+from lmforge.tokenizer import Tokenizer
+from lmforge.tokenizer.train import train_model
+
+transformers = pytest.importorskip("transformers")
+
+CJK = "的一是不了人我在有他这中大来上国个到说们为子和你地出道也时年得就那要下以生会自着去之过家学"
+WORDS = ["the", "model", "reads", "every", "token", "of", "corpus", "and", "learns", "which"]
+SAMPLES = [
+    "The model reads every token.",
+    "  leading spaces,   inner runs   and trailing  ",
+    "我在中国学到了很多。她说：“你好！”",
+    "def f(x):\n    if x > 10:\n        return x * 2\n\treturn None\n",
+    "x = 12345 + 0.5  # digits split",
+    "unseen: 🙂 ж Ω 鳳凰",  # byte fallback
+    "",
+]
+
+
+def corpus(seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    docs = []
+    for i in range(300):
+        if i % 3 == 0:
+            docs.append(" ".join(rng.choices(WORDS, k=40)) + ".\n")
+        elif i % 3 == 1:
+            docs.append("".join(rng.choices(CJK, k=60)) + "。\n")
+        else:
+            docs.append(f"def {rng.choice(WORDS)}(x):\n    if x > {rng.randint(0, 99)}:\n"
+                        "        return x * 2\n\treturn None\n")
+    return docs
+
+
+def write_sp(path: Path, **kw) -> Path:
+    cfg = TokenizerConfig(vocab_size=500, character_coverage=1.0, num_threads=1, **kw)
+    path.write_bytes(train_model(corpus(), cfg)[0])
+    return path
+
+
+@pytest.fixture(scope="module")
+def sp_path(tmp_path_factory) -> Path:
+    return write_sp(tmp_path_factory.mktemp("sp") / "tokenizer.model")
+
+
+def make_model_dir(path: Path, sp: Path, **kw) -> Path:
+    """A tiny random model of ours, saved the way the train stage saves models/final."""
+    tok = Tokenizer.load(sp)
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, seq_len=64, ffn_multiple_of=16, **kw)
+    torch.manual_seed(0)
+    model = Llama(cfg, tok.vocab_size)
+    with torch.no_grad():  # norms start at 1; randomise them so a swapped name shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    special = {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id, "unk": tok.unk_id}
+    save_model(model, path, sp, special_ids=special, tokenizer_sha256=tok.sha256)
+    return path
+
+
+def our_logits(model_dir: Path, ids: torch.Tensor) -> torch.Tensor:
+    model, _ = load_model(model_dir)
+    with torch.no_grad():
+        return model(ids)
+
+
+def hf_logits(hf_dir: Path, ids: torch.Tensor) -> torch.Tensor:
+    model = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("kw", [{"tie_embeddings": True}, {"tie_embeddings": False, "n_kv_head": 2}],
+                         ids=["tied", "untied-gqa"])
+def test_transformers_loads_the_export_with_our_logits(tmp_path, sp_path, kw):
+    src = make_model_dir(tmp_path / "final", sp_path, rope_base=5000.0, norm_eps=1e-6, **kw)
+    out = export_hf(src, tmp_path / "hf")
+    ids = torch.randint(0, Tokenizer.load(sp_path).vocab_size, (2, 48),
+                        generator=torch.Generator().manual_seed(1))
+    ours, theirs = our_logits(src, ids), hf_logits(out, ids)
+    assert theirs.shape == ours.shape
+    assert (ours - theirs).abs().max().item() < 1e-4
+    cfg = transformers.AutoConfig.from_pretrained(out)
+    assert cfg.tie_word_embeddings is kw["tie_embeddings"]
+    assert cfg.num_key_value_heads == kw.get("n_kv_head", 4)
+    assert cfg.rope_parameters["rope_theta"] == 5000.0 and cfg.rms_norm_eps == 1e-6
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == Tokenizer.load(sp_path).eos_id
+
+
+@pytest.mark.parametrize("normalization", ["identity", "nfkc"])
+def test_hf_tokenizer_encodes_to_our_ids(tmp_path, sp_path, normalization):
+    sp = sp_path if normalization == "identity" else write_sp(
+        tmp_path / "nfkc.model", normalization="nfkc")
+    out = export_hf(make_model_dir(tmp_path / "final", sp), tmp_path / "hf")
+    ours = Tokenizer.load(sp)
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    for text in SAMPLES:
+        ids = ours.encode(text)
+        assert theirs.encode(text) == ids, text
+        assert theirs.decode(ids) == ours.decode(ids)
+    assert theirs.eos_token_id == ours.eos_id and theirs.bos_token_id == ours.bos_id
+    if normalization == "identity":  # lossless: the text itself comes back
+        assert all(theirs.decode(theirs.encode(t)) == t for t in SAMPLES)
+        assert type(theirs).__name__ == "LlamaTokenizer"
+    for name in ("tokenizer.model", "tokenizer.json", "special_tokens_map.json"):
+        assert (out / name).is_file()
+
+
+def hf_checkpoint(path: Path, sp: Path, tie: bool, **save_kw) -> Path:
+    """A tiny random LlamaForCausalLM saved by transformers, with our tokenizer beside it."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=Tokenizer.load(sp).vocab_size, hidden_size=48, intermediate_size=160,
+        num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+        max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=20000.0,
+        tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    torch.manual_seed(2)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path, **save_kw)
+    shutil.copyfile(sp, path / "tokenizer.model")
+    return path
+
+
+@pytest.mark.parametrize("tie,shard", [(False, False), (True, True)], ids=["untied", "tied-sharded"])
+def test_import_matches_hf_logits_and_export_gives_back_the_weights(tmp_path, sp_path, tie, shard):
+    src = hf_checkpoint(tmp_path / "hf", sp_path, tie, **({"max_shard_size": "40KB"} if shard else {}))
+    assert (src / "model.safetensors.index.json").is_file() == shard
+    ours = import_hf(src, tmp_path / "final")
+    ids = torch.randint(0, 400, (2, 40), generator=torch.Generator().manual_seed(3))
+    assert (our_logits(ours, ids) - hf_logits(src, ids)).abs().max().item() < 1e-4
+    saved = json.loads((ours / "config.json").read_text())
+    assert saved["special_ids"] == {"bos": 1, "eos": 2, "pad": 3, "unk": 0}
+    back = export_hf(ours, tmp_path / "back")
+    original = {}
+    for f in src.glob("*.safetensors"):
+        original.update(load_file(f))
+    exported = load_file(back / "model.safetensors")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "RoPE scaling"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "RoPE scaling"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"model_type": "qwen2"}, "model_type"),
+    ({"intermediate_size": 64}, "intermediate_size"),
+])
+def test_import_refuses_unsupported_features_in_one_line(tmp_path, sp_path, change, message):
+    src = hf_checkpoint(tmp_path / "hf", sp_path, tie=True)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(InputError, match=message) as err:
+        import_hf(src, tmp_path / "final")
+    assert "\n" not in str(err.value) and "config.json" in str(err.value)
+    assert not (tmp_path / "final").exists()
+
+
+def test_import_refuses_extra_tensors_and_bad_shapes(tmp_path, sp_path):
+    src = hf_checkpoint(tmp_path / "hf", sp_path, tie=True)
+    from safetensors.torch import save_file
+    state = load_file(src / "model.safetensors")
+    save_file({**state, "model.layers.0.self_attn.q_proj.bias": torch.zeros(48)},
+              src / "model.safetensors")
+    with pytest.raises(InputError, match="q_proj.bias"):
+        import_hf(src, tmp_path / "final")
+    state["model.norm.weight"] = torch.ones(47)
+    save_file(state, src / "model.safetensors")
+    with pytest.raises(InputError, match="do not match"):
+        import_hf(src, tmp_path / "final")
+
+
+@pytest.mark.parametrize("d", [48, 64, 256, 576, 2048, 4096])
+@pytest.mark.parametrize("extra", [0, 1, 37, 256, 1000])
+def test_any_intermediate_size_from_8_3_d_up_is_reachable(d, extra):
+    width = -(-8 * d // 3) + extra
+    m = ffn_multiple_for(d, width, "cfg")
+    assert ffn_hidden_size(ModelConfig(n_embd=d, n_head=1, ffn_multiple_of=m)) == width
+
+
+def test_export_refuses_to_replace_a_folder_that_holds_no_model(tmp_path, sp_path):
+    src = make_model_dir(tmp_path / "final", sp_path)
+    keep = tmp_path / "mine"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("precious")
+    with pytest.raises(InputError, match="not a model folder"):
+        export_hf(src, keep)
+    assert (keep / "notes.txt").read_text() == "precious"
+    (src / "tokenizer.model").write_bytes(b"changed")
+    with pytest.raises(InputError, match="does not match the tokenizer"):
+        export_hf(src, tmp_path / "hf")
+
+
+def test_cli_parsers_run_export_then_import(tmp_path, sp_path, capsys):
+    parser = argparse.ArgumentParser(prog="lmforge")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_export_parser(sub)
+    add_import_parser(sub)
+    src = make_model_dir(tmp_path / "final", sp_path)
+    args = parser.parse_args(["export", "hf", str(tmp_path / "hf"), "--model", str(src)])
+    args.func(args)
+    args = parser.parse_args(["import", "hf", str(tmp_path / "hf"), "--out",
+                              str(tmp_path / "again"), "--seq-len", "32"])
+    args.func(args)
+    assert "exported" in capsys.readouterr().out
+    model, cfg = load_model(tmp_path / "again")
+    assert model.config.seq_len == 32 and cfg["tokenizer_sha256"] == Tokenizer.load(sp_path).sha256
+    first, again = load_file(src / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
