@@ -125,3 +125,19 @@ def test_output_is_byte_identical_across_runs_and_worker_counts(tmp_path):
     assert names == sorted(p.name for p in (tmp_path / "b").iterdir())
     for name in names:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_keep_quality_prefers_the_cleaner_copy(tmp_path):
+    rng = random.Random(11)
+    sentences = [" ".join(rng.choice(WORDS) for _ in range(12)) + "." for _ in range(30)]
+    clean = "\n".join(sentences)
+    noisy = clean + "\n" + "\n".join(sentences[:3]) + "\n\x07\x07 $$ 123 456 789"
+    docs = [("noisy", noisy, "en"), ("clean", clean, "en"), ("other", english(rng), "en")]
+    write_parts(tmp_path / "in", docs)
+    run_dedup(DedupConfig(keep="quality", num_workers=1), tmp_path / "in", tmp_path / "q")
+    c = pq.read_table(tmp_path / "q" / "clusters.parquet").to_pydict()
+    assert dict(zip(c["id"], c["cluster"], strict=True)) == {
+        "noisy": "clean", "clean": "clean", "other": "other"}
+    run_dedup(DedupConfig(keep="longest", num_workers=1), tmp_path / "in", tmp_path / "l")
+    c = pq.read_table(tmp_path / "l" / "clusters.parquet").to_pydict()
+    assert dict(zip(c["id"], c["cluster"], strict=True))["clean"] == "noisy"

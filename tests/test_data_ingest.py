@@ -154,3 +154,57 @@ def test_parts_roll_over_and_are_deterministic_across_workers(tmp_path):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
     ids = pq.read_table(tmp_path / "one", columns=["id"]).column("id").to_pylist()
     assert ids == [f"{k}-{i}" for k in range(3) for i in range(7)]
+
+
+def test_zst_jsonl_is_read(tmp_path):
+    zstandard = pytest.importorskip("zstandard")
+    data = "".join(json.dumps({"id": f"z{i}", "text": f"{GOOD} {i}"}) + "\n" for i in range(3))
+    (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(data.encode()))
+    metrics, docs, rejects = _ingest(tmp_path, SourceConfig(str(tmp_path / "a.jsonl.zst"), "en"))
+    assert docs.column("id").to_pylist() == ["z0", "z1", "z2"] and rejects.num_rows == 0
+    assert metrics["domains"]["en"] == {"in": 3, "kept": 3, "rejected": {}}
+
+
+def test_truncated_zst_is_counted(tmp_path):
+    zstandard = pytest.importorskip("zstandard")
+    data = "".join(json.dumps({"text": f"{GOOD} {i} " * 30}) + "\n" for i in range(100)).encode()
+    blob = zstandard.ZstdCompressor().compress(data)
+    (tmp_path / "t.jsonl.zst").write_bytes(blob[: len(blob) // 2])
+    _, docs, rejects = _ingest(tmp_path, SourceConfig(str(tmp_path / "t.jsonl.zst"), "en"))
+    assert docs.num_rows < 100
+    assert _reasons(rejects)[-1] in (readers.TRUNCATED, readers.CORRUPT)
+
+
+@pytest.mark.parametrize("content", [b"", b"\n\n  \n"])
+def test_empty_file_is_a_reject_not_a_silence(tmp_path, content):
+    (tmp_path / "empty.jsonl").write_bytes(content)
+    _jsonl(tmp_path / "full.jsonl", [{"id": "a", "text": GOOD}])
+    metrics, docs, rejects = _ingest(tmp_path, SourceConfig(str(tmp_path / "*.jsonl"), "en"))
+    assert docs.column("id").to_pylist() == ["a"]
+    assert rejects.to_pylist() == [{"file": str(tmp_path / "empty.jsonl"), "line": 0, "domain": "en",
+                                    "reason": readers.EMPTY_FILE, "detail": "the file holds no records"}]
+    assert metrics["domains"]["en"] == {"in": 2, "kept": 1, "rejected": {readers.EMPTY_FILE: 1}}
+
+
+def test_huge_line_is_streamed_past(tmp_path):
+    """A line far beyond max_record_bytes is drained in chunks, never held whole."""
+    with open(tmp_path / "h.jsonl", "wb") as f:
+        f.write(b'{"text": "' + b"z" * (8 << 20) + b'"}\n')
+        f.write(json.dumps({"id": "next", "text": GOOD}).encode() + b"\n")
+    _, docs, rejects = _ingest(tmp_path, SourceConfig(str(tmp_path / "h.jsonl"), "en"),
+                               max_record_bytes=1 << 16)
+    assert docs.column("id").to_pylist() == ["next"]
+    assert rejects.to_pylist()[0]["reason"] == readers.TOO_LARGE
+    assert rejects.to_pylist()[0]["line"] == 1
+
+
+def test_hf_parquet_layout_with_content_column(tmp_path):
+    (tmp_path / "data").mkdir()
+    for k in range(2):
+        pq.write_table(pa.table({"content": [f"{GOOD} {k}"], "repo": ["r"]}),
+                       tmp_path / "data" / f"train-0000{k}-of-00002.parquet")
+    src = SourceConfig(str(tmp_path / "data" / "*.parquet"), "code", text_field="content",
+                       id_field=None)
+    _, docs, _ = _ingest(tmp_path, src)
+    assert docs.column("text").to_pylist() == [f"{GOOD} 0", f"{GOOD} 1"]
+    assert docs.column("id").to_pylist()[0].endswith("train-00000-of-00002.parquet:0")

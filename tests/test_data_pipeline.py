@@ -39,7 +39,9 @@ def params() -> Params:
         ingest=IngestConfig(sources=[SourceConfig("data/raw/en/*.jsonl.gz", "en"),
                                      SourceConfig("data/raw/zh/*.jsonl.gz", "zh")],
                             part_docs=25, num_workers=2),
-        filter=FilterConfig(min_chars=50, num_workers=2),
+        # Random-word documents have no stop words or sentences: the basic rules only.
+        filter=FilterConfig(rules=["min_chars", "char_repeat", "control_chars"], min_chars=50,
+                            num_workers=2),
         dedup=DedupConfig(num_workers=2),
         mix=MixConfig(weights={"en": 0.7, "zh": 0.3}, min_val_docs=2, part_docs=40,
                       num_workers=2),

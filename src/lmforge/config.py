@@ -58,30 +58,25 @@ class IngestConfig:
         _non_negative(self, "num_workers")
 
 
-@dataclass
-class DomainFilterConfig:
-    """Per-domain overrides of the filter thresholds; unset fields use the defaults."""
-
-    min_chars: int | None = None
-    max_hash_line_ratio: float | None = None
-    max_char_repeat_ratio: float | None = None
-    max_control_char_ratio: float | None = None
-    max_boilerplate_lines: int | None = None
-    rules: list[str] | None = None
+def _default_filter_rules() -> list[str]:
+    # Rule names or group names (gopher_quality, gopher_repetition, c4, fineweb).
+    return ["min_chars", "hash_line_ratio", "char_repeat", "control_chars", "boilerplate",
+            "gopher_quality", "gopher_repetition", "fineweb"]
 
 
 @dataclass
 class FilterConfig:
-    # Which rules run by default; a domain may name its own list under ``domains``.
-    rules: list[str] = field(
-        default_factory=lambda: [
-            "min_chars",
-            "hash_line_ratio",
-            "char_repeat",
-            "control_chars",
-            "boilerplate",
-        ]
-    )
+    """Quality rules, their thresholds and the PII step; ``domains`` overrides any of them.
+
+    Rules marked as prose rules (Gopher, C4, FineWeb, '#' lines, boilerplate) are
+    skipped for a domain of ``kind: code`` unless that domain lists them in ``rules``.
+    """
+
+    rules: list[str] = field(default_factory=_default_filter_rules)
+    # Rules or groups taken out of ``rules`` (handy in a domain override).
+    skip: list[str] = field(default_factory=list)
+    kind: Literal["prose", "code"] = "prose"
+    # --- the practice notes
     min_chars: int = 200
     # Share of non-empty lines that start with '#' (markdown/comment spam); code opts out.
     max_hash_line_ratio: float = 0.5
@@ -91,24 +86,86 @@ class FilterConfig:
     max_control_char_ratio: float = 0.01
     # Lines matching the advertising / boilerplate patterns before a document is dropped.
     max_boilerplate_lines: int = 3
+    # --- Gopher quality (Rae et al. 2021); a CJK character counts as a word
+    gopher_min_words: int = 50
+    gopher_max_words: int = 100_000
+    gopher_min_avg_word_length: float = 3.0
+    gopher_max_avg_word_length: float = 10.0
+    gopher_max_symbol_word_ratio: float = 0.1
+    gopher_max_bullet_lines_ratio: float = 0.9
+    gopher_max_ellipsis_lines_ratio: float = 0.3
+    gopher_min_alpha_words_ratio: float = 0.8
+    gopher_min_stop_words: int = 2
+    # --- Gopher repetition: shares of lines / paragraphs / characters that repeat
+    gopher_max_dup_line_ratio: float = 0.3
+    gopher_max_dup_para_ratio: float = 0.3
+    gopher_max_dup_line_char_ratio: float = 0.2
+    gopher_max_dup_para_char_ratio: float = 0.2
+    gopher_max_top_2gram_ratio: float = 0.2
+    gopher_max_top_3gram_ratio: float = 0.18
+    gopher_max_top_4gram_ratio: float = 0.16
+    gopher_max_dup_5gram_ratio: float = 0.15
+    gopher_max_dup_6gram_ratio: float = 0.14
+    gopher_max_dup_7gram_ratio: float = 0.13
+    gopher_max_dup_8gram_ratio: float = 0.12
+    gopher_max_dup_9gram_ratio: float = 0.11
+    gopher_max_dup_10gram_ratio: float = 0.10
+    # --- C4 (Raffel et al. 2020), as document-level rules
+    c4_min_sentences: int = 5
+    c4_max_javascript_lines: int = 0
+    c4_max_policy_lines: int = 0
+    # --- FineWeb (Penedo et al. 2024)
+    fineweb_min_line_punct_ratio: float = 0.12
+    fineweb_max_short_line_ratio: float = 0.67
+    fineweb_short_line_chars: int = 30
+    fineweb_max_dup_line_char_ratio: float = 0.01
+    fineweb_max_newline_word_ratio: float = 0.3
+    # --- personal data: off, redact (replace with <EMAIL> ...), or drop the document
+    pii: Literal["off", "redact", "drop"] = "off"
+    pii_kinds: list[str] = field(default_factory=lambda: ["email", "phone", "ip", "cn_id"])
     domains: dict[str, DomainFilterConfig] = field(default_factory=dict)
     num_workers: int = 0
 
     def validate(self) -> None:
-        _positive(self, "min_chars")
-        _fraction(self, "max_hash_line_ratio", "max_char_repeat_ratio", "max_control_char_ratio")
-        _non_negative(self, "max_boilerplate_lines", "num_workers")
-        from lmforge.data.filters import RULES, unknown_rules  # lazy: keeps config import-light
+        _non_negative(self, "num_workers")
+        _check_filter_settings(self, "filter")
+        for domain, override in self.domains.items():
+            merged = dataclasses.replace(self, **{k: v for k, v in dataclasses.asdict(override).items()
+                                                  if v is not None})
+            _check_filter_settings(merged, f"filter.domains.{domain}")
 
-        for key, names in [("rules", self.rules)] + [
-            (f"domains.{d}.rules", o.rules) for d, o in self.domains.items() if o.rules is not None
-        ]:
-            bad = unknown_rules(names)
-            if bad:
-                raise ConfigError(
-                    f"filter.{key}: unknown rule(s) {', '.join(bad)} "
-                    f"(known: {', '.join(sorted(RULES))})"
-                )
+
+def _check_filter_settings(cfg: FilterConfig, where: str) -> None:
+    from lmforge.data.filters import RULES, unknown_rules  # lazy: keeps config import-light
+    from lmforge.data.pii import KINDS
+
+    for key in ("rules", "skip"):
+        bad = unknown_rules(getattr(cfg, key))
+        if bad:
+            raise ConfigError(f"{where}.{key}: unknown rule(s) {', '.join(bad)} "
+                              f"(known: {', '.join(sorted(RULES))}, or a group)")
+    bad = sorted(set(cfg.pii_kinds) - set(KINDS))
+    if bad:
+        raise ConfigError(f"{where}.pii_kinds: unknown kind(s) {', '.join(bad)} "
+                          f"(known: {', '.join(KINDS)})")
+    for f in dataclasses.fields(FilterConfig):
+        value = getattr(cfg, f.name)
+        if f.type in ("int", "float") and value < 0:
+            raise ConfigError(f"{where}.{f.name}: {value} must be >= 0")
+        if f.name.endswith("_ratio") and not 0 <= value <= 1:
+            raise ConfigError(f"{where}.{f.name}: {value} must be in [0, 1]")
+    if cfg.min_chars <= 0:
+        raise ConfigError(f"{where}.min_chars: {cfg.min_chars} must be > 0")
+
+
+# Per-domain overrides: every FilterConfig setting, optional (None = the default's value).
+DomainFilterConfig = dataclasses.make_dataclass(
+    "DomainFilterConfig",
+    [(f.name, f"{f.type} | None", field(default=None))
+     for f in dataclasses.fields(FilterConfig) if f.name not in ("domains", "num_workers")],
+)
+DomainFilterConfig.__module__ = __name__  # so type hints resolve in this module
+DomainFilterConfig.__doc__ = "Per-domain overrides of any filter setting; unset ones use the defaults."
 
 
 @dataclass
@@ -122,7 +179,9 @@ class DedupConfig:
     shingle: Literal["auto", "word", "char"] = "auto"
     word_ngram: int = 5
     char_ngram: int = 5
-    keep: Literal["first", "longest"] = "first"
+    # Which document of a cluster survives: the first seen, the longest, or the one with
+    # the best quality score (lmforge.data.quality).
+    keep: Literal["first", "longest", "quality"] = "first"
     seed: int = 1
     num_workers: int = 0
 

@@ -21,6 +21,7 @@ from datasketch import LeanMinHash, MinHashLSH
 from lmforge.config import DedupConfig
 from lmforge.data import minhash
 from lmforge.data.counts import Counts
+from lmforge.data.quality import quality_score
 from lmforge.data.records import list_parts, read_table, write_table
 from lmforge.io import atomic_dir, atomic_path
 from lmforge.parallel import imap_ordered
@@ -52,6 +53,7 @@ class PartSketch:
     domains: list[str]
     keys: list[bytes]
     chars: np.ndarray  # int64 [n]
+    quality: np.ndarray  # float64 [n]; zeros unless keep == "quality"
     signatures: np.ndarray  # uint32 [n, num_perm]
 
 
@@ -70,8 +72,11 @@ def sketch_part(task: SketchTask) -> PartSketch:
             shingles = minhash.shingle_hashes(norm, cfg.shingle, cfg.word_ngram, cfg.char_ngram)
             sigs[i] = minhash.signature(shingles, a, b)
     chars = pc.utf8_length(table.column("text")).to_numpy().astype(np.int64)
+    quality = np.zeros(len(texts))
+    if cfg.keep == "quality":
+        quality = np.array([quality_score(t) for t in texts], dtype=np.float64)
     return PartSketch(table.column("id").to_pylist(), table.column("domain").to_pylist(),
-                      keys, chars, sigs)
+                      keys, chars, quality, sigs)
 
 
 class UnionFind:
@@ -130,13 +135,21 @@ def link_near(sigs: np.ndarray, candidates: list[int], cfg: DedupConfig, uf: Uni
         lsh.insert(i, m, check_duplication=False)
 
 
-def choose_kept(roots: np.ndarray, chars: np.ndarray, keep: str) -> np.ndarray:
-    """For every document, the index of the document its cluster keeps."""
+def choose_kept(roots: np.ndarray, chars: np.ndarray, keep: str,
+                quality: np.ndarray | None = None) -> np.ndarray:
+    """For every document, the index of the document its cluster keeps.
+
+    ``first``: the earliest; ``longest``: most characters; ``quality``: best quality
+    score, then most characters. Ties go to the earliest, so the choice is stable.
+    """
     n = len(roots)
     if keep == "first":
         return roots.copy()  # the union-find root is the cluster's first member
-    # longest: most characters, ties to the earliest; lexsort's last key is primary.
-    order = np.lexsort((np.arange(n), -chars, roots))
+    keys = [np.arange(n), -chars]  # lexsort: the last key is the primary one
+    if keep == "quality":
+        assert quality is not None
+        keys.append(-quality)
+    order = np.lexsort((*keys, roots))
     best = np.empty(n, dtype=np.int64)
     first_of_root = order[np.r_[True, roots[order][1:] != roots[order][:-1]]]
     best[roots[first_of_root]] = first_of_root
@@ -166,6 +179,7 @@ def run_dedup(cfg: DedupConfig, in_dir: str | Path, out_dir: str | Path) -> dict
     domains = [d for s in sketches for d in s.domains]
     keys = [k for s in sketches for k in s.keys]
     chars = np.concatenate([s.chars for s in sketches]) if sketches else np.zeros(0, np.int64)
+    quality = np.concatenate([s.quality for s in sketches]) if sketches else np.zeros(0)
     sigs = np.concatenate([s.signatures for s in sketches]) if sketches else np.zeros((0, 0))
     n = len(ids)
 
@@ -174,7 +188,7 @@ def run_dedup(cfg: DedupConfig, in_dir: str | Path, out_dir: str | Path) -> dict
     if cfg.near:
         link_near(sigs, reps, cfg, uf)
     roots = np.array([uf.find(i) for i in range(n)], dtype=np.int64)
-    kept_of = choose_kept(roots, chars, cfg.keep)
+    kept_of = choose_kept(roots, chars, cfg.keep, quality)
 
     exact = np.array([keys[i] == keys[k] for i, k in enumerate(kept_of)], dtype=bool)
     similarity = exact.astype(np.float64)

@@ -1,11 +1,14 @@
 """The filter stage: apply the quality rules to every part, in parallel.
 
 Part ``i`` of the input becomes part ``i`` of the output (possibly with fewer rows),
-and its rejected documents go to ``rejects/part-i`` with the rule that fired.
+and its rejected documents go to ``rejects/part-i`` with the rule that fired. After the
+quality rules, the PII step (``filter.pii``) redacts personal data in place or drops
+the document under the rule ``pii``.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +16,7 @@ from typing import Any
 import pyarrow as pa
 
 from lmforge.config import FilterConfig
+from lmforge.data import pii
 from lmforge.data.counts import Counts
 from lmforge.data.filters import DomainRules, domain_rules
 from lmforge.data.records import list_parts, read_table, write_table
@@ -39,12 +43,34 @@ class PartTask:
     cfg: FilterConfig
 
 
-def filter_part(task: PartTask) -> Counts:
+PII_RULE = "pii"
+
+
+@dataclass
+class PartResult:
+    counts: Counts
+    redacted: dict[str, Counter]  # per domain: personal data replaced, by kind
+
+
+def _pii_step(text: str, rules: DomainRules) -> tuple[str, Counter | None, float]:
+    """(text, kinds redacted, value): value > 0 means the document is dropped for PII."""
+    mode, kinds = rules.settings["pii"], rules.settings["pii_kinds"]
+    if mode == "off":
+        return text, None, 0.0
+    if mode == "drop":
+        return text, None, float(len(pii.find(text, kinds)))
+    new, found = pii.redact(text, kinds)
+    return new, found, 0.0
+
+
+def filter_part(task: PartTask) -> PartResult:
     """Filter one part; write the kept rows and the rejects; return the counts (worker)."""
     table = read_table(task.src)
     rules: dict[str, DomainRules] = {}
     counts = Counts()
+    redacted: dict[str, Counter] = {}
     keep: list[bool] = []
+    texts: list[str] = []
     rejected: dict[str, list[Any]] = {name: [] for name in REJECTS_SCHEMA.names}
     cols = table.select(["id", "text", "domain", "source"]).to_pydict()
     for rid, text, domain, source in zip(cols["id"], cols["text"], cols["domain"], cols["source"], strict=True):
@@ -53,17 +79,29 @@ def filter_part(task: PartTask) -> Counts:
         c = counts[domain]
         c.n_in += 1
         failure = rules[domain].first_failure(text)
+        if failure is None:
+            new_text, found, pii_value = _pii_step(text, rules[domain])
+            if pii_value > 0:
+                failure = (PII_RULE, pii_value)
+            elif found:
+                redacted.setdefault(domain, Counter()).update(found)
+                text = new_text
         keep.append(failure is None)
         if failure is None:
             c.kept += 1
+            texts.append(text)
             continue
         c.rejected[failure[0]] += 1
         for name, value in zip(REJECTS_SCHEMA.names, (rid, domain, source, failure[0],
                                                       float(failure[1]), text), strict=True):
             rejected[name].append(value)
-    write_table(table.filter(pa.array(keep, pa.bool_())), task.out)
+    kept = table.filter(pa.array(keep, pa.bool_()))
+    if redacted:  # only then did any text change
+        kept = kept.set_column(kept.schema.get_field_index("text"), "text",
+                               pa.array(texts, pa.string()))
+    write_table(kept, task.out)
     write_table(pa.table(rejected, schema=REJECTS_SCHEMA), task.rejects_out)
-    return counts
+    return PartResult(counts, redacted)
 
 
 def run_filter(cfg: FilterConfig, in_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
@@ -74,8 +112,15 @@ def run_filter(cfg: FilterConfig, in_dir: str | Path, out_dir: str | Path) -> di
         (tmp / "rejects").mkdir()
         tasks = [PartTask(str(p), str(tmp / p.name), str(tmp / "rejects" / p.name), cfg)
                  for p in parts]
-        for part_counts in imap_ordered(filter_part, tasks, cfg.num_workers, desc="filter"):
-            counts.merge(part_counts)
+        redacted: dict[str, Counter] = {}
+        for result in imap_ordered(filter_part, tasks, cfg.num_workers, desc="filter"):
+            counts.merge(result.counts)
+            for domain, found in result.redacted.items():
+                redacted.setdefault(domain, Counter()).update(found)
     metrics = counts.as_dict()
+    for domain, c in metrics["domains"].items():
+        c["rules"] = [r.name for r in domain_rules(cfg, domain).rules]
+        if cfg.pii == "redact" or domain in redacted:
+            c["pii_redacted"] = dict(sorted(redacted.get(domain, Counter()).items()))
     metrics["parts"] = len(parts)
     return metrics

@@ -103,6 +103,8 @@ def ingest_file(task: FileTask) -> FileResult:
                 rows = {name: [] for name in SCHEMA.names}
         if rows["id"]:
             writer.write_table(pa.table(rows, schema=SCHEMA))
+    if docs == 0 and not rejects:  # nothing at all: say so rather than vanish
+        rejects.append((task.path, 0, src.domain, readers.EMPTY_FILE, "the file holds no records"))
     return FileResult(task.out, docs, rejects)
 
 

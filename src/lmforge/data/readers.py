@@ -34,6 +34,7 @@ TOO_LARGE = "record_too_large"
 TRUNCATED = "truncated_file"
 CORRUPT = "corrupt_file"
 DUPLICATE_ID = "duplicate_id"
+EMPTY_FILE = "empty_file"
 
 _COMPRESSIONS = (".gz", ".zst")
 _FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
@@ -90,9 +91,50 @@ def open_binary(path: str | Path) -> IO[bytes]:
             raise InputError(
                 f"{path}: reading .zst needs the 'zstandard' package (pip install zstandard)"
             ) from None
-        raw = open(path, "rb")  # noqa: SIM115 - closed with the returned reader
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
+        return io.BufferedReader(_ZstdReader(path, zstandard), buffer_size=1 << 20)
     return open(path, "rb")  # noqa: SIM115 - the caller closes it
+
+
+class _ZstdReader(io.RawIOBase):
+    """Decompress a (multi-frame) .zst file, raising EOFError when it ends mid-frame.
+
+    zstandard's own ``stream_reader`` returns a truncated file's bytes as if it had
+    ended normally; a reject must say the file was cut short instead.
+    """
+
+    def __init__(self, path: str | Path, zstandard: Any):
+        self._zstd = zstandard
+        self._raw = open(path, "rb")  # noqa: SIM115 - closed in close()
+        self._dobj = zstandard.ZstdDecompressor().decompressobj()
+        self._pending = b""
+        self._in_frame = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._pending:
+            chunk = self._raw.read(1 << 20)
+            if not chunk:
+                if self._in_frame:
+                    raise EOFError("zstd stream ended before the end of its frame")
+                return 0
+            while chunk:
+                self._in_frame = True
+                self._pending += self._dobj.decompress(chunk)
+                chunk = b""
+                if self._dobj.eof:  # a frame ended; what follows starts the next one
+                    chunk = self._dobj.unused_data
+                    self._dobj = self._zstd.ZstdDecompressor().decompressobj()
+                    self._in_frame = False
+        n = min(len(buffer), len(self._pending))
+        buffer[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
 
 
 def check_text(value: Any, max_bytes: int) -> Reject | None:

@@ -1,0 +1,22 @@
+"""Shared helpers of the data benchmarks: the demo corpus, and a line of figures."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "data" / "raw" / "demo"
+
+
+def demo_docs(domains: tuple[str, ...] | None = None) -> list[tuple[str, str]]:
+    """(domain, text) of every demo document, in file order."""
+    out = []
+    for d in sorted(p for p in DEMO.iterdir() if p.is_dir()):
+        if domains and d.name not in domains:
+            continue
+        for f in sorted(d.glob("*.jsonl.gz")):
+            with gzip.open(f, "rt", encoding="utf-8") as fh:
+                out.extend((d.name, json.loads(line)["text"]) for line in fh)
+    return out
