@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from lmforge.errors import LmforgeError
+from lmforge.export import add_export_parser, add_import_parser
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -67,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default=None)
     g.set_defaults(func=cmd_generate)
+
+    add_export_parser(sub)
+    add_import_parser(sub)
     return parser
 
 

@@ -1,0 +1,232 @@
+"""A Llama-style decoder in one file: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Pre-norm blocks, no biases, optional tied embeddings. Attention goes through
+``F.scaled_dot_product_attention`` so PyTorch picks the fastest kernel (flash /
+memory-efficient on CUDA, a fused kernel on CPU).
+
+RoPE uses the "rotate half" layout (the first and second half of each head dimension
+form the pairs), the one Hugging Face's ``LlamaForCausalLM`` uses, so q/k weights export
+without a permutation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lmforge.config import ModelConfig
+
+IGNORE_INDEX = -100
+
+
+def ffn_hidden_size(cfg: ModelConfig) -> int:
+    """SwiGLU hidden width: 8/3 * n_embd rounded up to a multiple of ``ffn_multiple_of``."""
+    hidden = math.ceil(8 * cfg.n_embd / 3)
+    m = cfg.ffn_multiple_of
+    return m * math.ceil(hidden / m)
+
+
+def param_count_formula(cfg: ModelConfig, vocab_size: int) -> int:
+    """Parameter count of :class:`Llama` for ``cfg``, from the architecture alone."""
+    d, hd = cfg.n_embd, cfg.n_embd // cfg.n_head
+    kv = cfg.n_kv_head or cfg.n_head
+    attn = d * cfg.n_head * hd + 2 * d * kv * hd + cfg.n_head * hd * d
+    mlp = 3 * d * ffn_hidden_size(cfg)
+    per_layer = attn + mlp + 2 * d  # two RMSNorm weights
+    head = 0 if cfg.tie_embeddings else vocab_size * d
+    return vocab_size * d + cfg.n_layer * per_layer + d + head
+
+
+def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each (seq_len, head_dim), for the rotate-half layout."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, D) queries or keys by their position's angles (cos/sin: (T, D))."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+@dataclass
+class KVCache:
+    """Per-layer key/value buffers for incremental decoding; ``pos`` = tokens cached."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    pos: int = 0
+
+    @classmethod
+    def empty(cls, model: Llama, batch_size: int, device: torch.device,
+              dtype: torch.dtype) -> KVCache:
+        """Buffers for ``model.config.seq_len`` positions."""
+        cfg = model.config
+        kv = cfg.n_kv_head or cfg.n_head
+        shape = (batch_size, kv, cfg.seq_len, cfg.n_embd // cfg.n_head)
+        return cls([torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)],
+                   [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)])
+
+
+class Attention(nn.Module):
+    """Causal self-attention with RoPE and grouped-query key/value heads."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_head = cfg.n_head
+        self.n_kv_head = cfg.n_kv_head or cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.dropout = cfg.dropout
+        self.wq = nn.Linear(cfg.n_embd, self.n_head * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_head * self.head_dim, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        causal = True
+        if cache is not None:
+            start = cache.pos
+            cache.keys[self.layer][:, :, start:start + T] = k
+            cache.values[self.layer][:, :, start:start + T] = v
+            k = cache.keys[self.layer][:, :, :start + T]
+            v = cache.values[self.layer][:, :, :start + T]
+            # Prefill from position 0 is plain causal; a single new token sees the whole
+            # cache. (Multi-token chunks after a prefix are not used by generate().)
+            causal = start == 0
+            if not causal and T != 1:
+                raise ValueError("KVCache: after the prefill, feed one token at a time")
+        if self.n_kv_head != self.n_head:
+            rep = self.n_head // self.n_kv_head
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden = ffn_hidden_size(cfg)
+        self.w1 = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.w3 = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, cache))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
+
+
+class Llama(nn.Module):
+    """The decoder. ``forward(idx)`` -> logits; ``forward(idx, targets)`` -> (logits, loss)."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.vocab_size = vocab_size
+        # Training-time options the loop sets; they do not change the weights.
+        self.activation_checkpointing = False
+        self.label_smoothing = 0.0
+        self.z_loss = 0.0
+        self.tok_embeddings = nn.Embedding(vocab_size, cfg.n_embd)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(cfg.seq_len, cfg.n_embd // cfg.n_head, cfg.rope_base)
+        # Non-persistent: derived from the config, so not in checkpoints or safetensors.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """N(0, 0.02) everywhere; residual output projections scaled by 1/sqrt(2 n_layer)."""
+        std = 0.02
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name.endswith(("attn.wo.weight", "mlp.w2.weight")):
+                nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+            else:
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def num_params(self) -> int:
+        """Number of distinct parameters (a tied embedding counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 N_matmul + 12 L H Q T (PaLM appendix B)."""
+        cfg = self.config
+        n = self.num_params()
+        if not cfg.tie_embeddings:
+            n -= self.tok_embeddings.weight.numel()  # a lookup, not a matmul
+        return 6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        _, T = idx.shape
+        start = cache.pos if cache is not None else 0
+        if start + T > self.config.seq_len:
+            raise ValueError(f"sequence of {start + T} tokens exceeds seq_len "
+                             f"{self.config.seq_len}")
+        cos = self.rope_cos[start:start + T]
+        sin = self.rope_sin[start:start + T]
+        x = self.tok_embeddings(idx)
+        for block in self.layers:
+            if self.activation_checkpointing and self.training and cache is None:
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, cache)
+        if cache is not None:
+            cache.pos += T
+        logits = self.lm_head(self.norm(x))
+        if targets is None:
+            return logits
+        return logits, self.loss(logits, targets)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean fp32 cross-entropy over targets != -100, plus the optional z-loss."""
+        flat = logits.float().view(-1, logits.size(-1))
+        tgt = targets.reshape(-1)
+        loss = F.cross_entropy(flat, tgt, ignore_index=IGNORE_INDEX,
+                               label_smoothing=self.label_smoothing)
+        if self.z_loss > 0:
+            # PaLM's z-loss keeps log Z near 0 so the softmax stays well conditioned.
+            keep = (tgt != IGNORE_INDEX).float()
+            lse = torch.logsumexp(flat, dim=-1)
+            loss = loss + self.z_loss * (lse.square() * keep).sum() / keep.sum().clamp(min=1)
+        return loss

@@ -1,0 +1,100 @@
+"""The final model on disk: ``model.safetensors`` + ``config.json`` (+ the tokenizer)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from lmforge.config import ModelConfig, from_dict
+from lmforge.errors import ConfigError, InputError
+from lmforge.io import atomic_dir, atomic_path, write_json
+from lmforge.model.llama import Llama
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+TOKENIZER = "tokenizer.model"
+
+
+def model_state(model: Llama) -> dict[str, torch.Tensor]:
+    """The weights to save: contiguous CPU tensors, a tied LM head stored once."""
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def save_weights(model: Llama, path: str | os.PathLike) -> None:
+    """Write the model's weights as safetensors, atomically."""
+    with atomic_path(path) as tmp:
+        save_file(model_state(model), str(tmp), metadata={"format": "pt"})
+
+
+def save_model(model: Llama, directory: str | os.PathLike,
+               tokenizer: str | os.PathLike | None = None, **extra: Any) -> None:
+    """Write ``directory`` whole (weights, config.json with ``extra``, tokenizer copy), atomically."""
+    with atomic_dir(directory) as tmp:
+        save_file(model_state(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        write_json(tmp / CONFIG, model_config_dict(model, **extra))
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / TOKENIZER)
+
+
+def model_config_dict(model: Llama, **extra: Any) -> dict[str, Any]:
+    """``config.json`` content: the model section, vocab size and ``extra`` fields."""
+    return {"model": dataclasses.asdict(model.config), "vocab_size": model.vocab_size, **extra}
+
+
+def load_model(directory: str | os.PathLike, device: str | torch.device = "cpu"
+               ) -> tuple[Llama, dict[str, Any]]:
+    """Load ``directory``/model.safetensors + config.json -> (model in eval mode, config dict).
+
+    The config dict holds ``model`` (the ModelConfig fields), ``vocab_size``,
+    ``special_ids`` and ``tokenizer_sha256`` as written by the train stage.
+    """
+    directory = Path(directory)
+    cfg_path, weights_path = directory / CONFIG, directory / WEIGHTS
+    try:
+        config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{cfg_path}: no model config (run the train stage)") from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"{cfg_path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+    try:
+        model_cfg = from_dict(ModelConfig, config["model"], "model.")
+        model_cfg.validate()
+        vocab_size = int(config["vocab_size"])
+    except (KeyError, TypeError, ValueError, ConfigError) as e:
+        raise InputError(f"{cfg_path}: bad model config ({e})") from None
+    with torch.device("meta"):
+        model = Llama(model_cfg, vocab_size)
+    try:
+        state = load_file(str(weights_path))
+    except FileNotFoundError:
+        raise InputError(f"{weights_path}: no weights file (run the train stage)") from None
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise InputError(f"{weights_path}: unreadable safetensors file ({e})") from None
+    if model_cfg.tie_embeddings:
+        state["lm_head.weight"] = state.get("tok_embeddings.weight")
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except (RuntimeError, TypeError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise InputError(f"{weights_path}: weights do not match {cfg_path} ({first})") from None
+    if model_cfg.tie_embeddings:
+        model.lm_head.weight = model.tok_embeddings.weight
+    # The RoPE tables are non-persistent buffers, still on the meta device: rebuild them.
+    model.rope_cos, model.rope_sin = _rope_buffers(model_cfg)
+    return model.to(device).eval(), config
+
+
+def _rope_buffers(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    from lmforge.model.llama import rope_tables
+
+    return rope_tables(cfg.seq_len, cfg.n_embd // cfg.n_head, cfg.rope_base)

@@ -1,0 +1,1 @@
+"""Training: optimizer, learning-rate schedule, precision, checkpoints, the loop, DDP."""

@@ -1,0 +1,151 @@
+"""Full training checkpoints: save atomically, keep the last few, resume the same run.
+
+A checkpoint holds only tensors and plain Python values, so it loads with
+``torch.load(weights_only=True)`` (no pickle code execution). Its ``fingerprint`` names
+the run it belongs to: the model and training params that shape the trajectory, the
+data (shard manifests) and the tokenizer. A checkpoint is resumed only into the run
+with the same fingerprint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmforge.config import ModelConfig, TrainConfig
+from lmforge.io import atomic_path
+
+FORMAT = 1
+_NAME = re.compile(r"^step-(\d+)\.pt$")
+# Keys that change how a run is observed or saved, not what it computes.
+NON_RUN_KEYS = frozenset({
+    "log_every", "eval_every", "eval_batches", "sample_every", "ckpt_every",
+    "light_every", "keep_last", "num_threads", "max_bad_steps", "nproc",
+})
+_REQUIRED = ("format", "fingerprint", "step", "model", "optimizer", "ranks", "progress")
+
+
+def fingerprint(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int,
+                train_manifest: dict, val_manifest: dict, tokenizer_sha256: str) -> str:
+    """sha256 over everything that defines a run's trajectory."""
+    train = {k: v for k, v in dataclasses.asdict(train_cfg).items() if k not in NON_RUN_KEYS}
+    blob = {
+        "model": dataclasses.asdict(model_cfg),
+        "train": train,
+        # The process count, not train.nproc: a multi-node torchrun sets its own.
+        "world_size": world_size,
+        "data": [_manifest_digest(train_manifest), _manifest_digest(val_manifest)],
+        "tokenizer_sha256": tokenizer_sha256,
+    }
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
+
+
+def _manifest_digest(manifest: dict) -> str:
+    # The manifest lists every shard's checksum, so its digest pins the data.
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+
+
+def checkpoint_path(directory: Path, step: int) -> Path:
+    """``directory/step-000050.pt``."""
+    return Path(directory) / f"step-{step:06d}.pt"
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Checkpoint files in ``directory``, oldest step first."""
+    found = []
+    for p in Path(directory).glob("step-*.pt"):
+        m = _NAME.match(p.name)
+        if m:
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def save_checkpoint(directory: Path, step: int, state: dict[str, Any], keep_last: int) -> Path:
+    """Write ``state`` as ``step-NNNNNN.pt`` (temp file + rename), then prune old ones."""
+    path = checkpoint_path(directory, step)
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
+    for old in list_checkpoints(directory)[:-keep_last]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def load_resumable(directory: Path, fp: str,
+                   log: Callable[[str], None] = print) -> tuple[dict[str, Any], Path] | None:
+    """The newest readable checkpoint of run ``fp``, or None (then start fresh).
+
+    A truncated or corrupt checkpoint is reported, removed, and the previous one tried.
+    Checkpoints of another run (another fingerprint) are never resumed: they are
+    reported in one line and removed, so they cannot be mistaken for this run's.
+    """
+    directory = Path(directory)
+    for tmp in directory.glob(".step-*.tmp"):  # left by a process killed mid-write
+        tmp.unlink(missing_ok=True)
+    stale: list[Path] = []
+    other = ""
+    chosen = None
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            state = read_checkpoint(path)
+        except Exception as e:  # any unreadable file: report it, drop it, fall back
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            log(f"train: checkpoint {path} is unreadable ({reason}); trying the previous one")
+            path.unlink(missing_ok=True)
+            continue
+        if state["fingerprint"] != fp:
+            stale.append(path)
+            other = other or str(state["fingerprint"])[:12]
+            continue
+        chosen = (state, path)
+        break
+    if stale:
+        then = "starting fresh" if chosen is None else f"resuming {chosen[1].name}"
+        log(f"train: {len(stale)} checkpoint(s) in {directory} belong to another run "
+            f"(fingerprint {other}, this run {fp[:12]}); {then} and removing them")
+        for p in stale:
+            p.unlink(missing_ok=True)
+    return chosen
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """Load one checkpoint (tensors and plain values only) and check its shape."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    missing = [k for k in _REQUIRED if k not in state]
+    if missing:
+        raise ValueError(f"not a full checkpoint: no {', '.join(missing)}")
+    if state["format"] != FORMAT:
+        raise ValueError(f"checkpoint format {state['format']}, this lmforge reads {FORMAT}")
+    return state
+
+
+def capture_rng(device: torch.device) -> dict[str, Any]:
+    """This process's RNG states as tensors and plain Python values."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng(state: dict[str, Any], device: torch.device) -> None:
+    """Put back the RNG states ``capture_rng`` took."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)

@@ -1,0 +1,390 @@
+"""The training loop: accumulation, clipping, the non-finite guard, eval, checkpoints, logs."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from lmforge.config import Params
+from lmforge.errors import ConfigError, InputError, LmforgeError
+from lmforge.model.generate import generate
+from lmforge.model.llama import IGNORE_INDEX, Llama
+from lmforge.model.saved import save_weights
+from lmforge.train import checkpoint as ckpt
+from lmforge.train.distributed import DistEnv, all_gather_objects
+from lmforge.train.optim import build_optimizer
+from lmforge.train.precision import Precision, resolve_precision
+from lmforge.train.schedule import lr_at
+from lmforge.train.telemetry import NullRun, format_duration, memory_mb, open_run, peak_flops
+
+
+@dataclass
+class TrainData:
+    """What the loop reads: the train/val shard sets and the loader functions for them."""
+
+    train: Any  # lmforge.shards.loader.ShardSet (or anything with the same attributes)
+    val: Any
+    make_loader: Callable[..., Any]  # WindowLoader(shards, seq_len, batch_size, seed, rank, ws)
+    eval_batches: Callable[..., Iterable[dict]]  # eval_batches(shards, seq_len, bs, max_batches)
+
+
+def open_shard_data(train_dir: str | Path, val_dir: str | Path) -> TrainData:
+    """The real shard sets and loader of ``lmforge.shards.loader``."""
+    from lmforge.shards.loader import ShardSet, WindowLoader, eval_batches
+
+    return TrainData(ShardSet(train_dir), ShardSet(val_dir), WindowLoader, eval_batches)
+
+
+@dataclass
+class TrainResult:
+    """A finished run: the (unwrapped) model and what it measured."""
+
+    model: Llama
+    metrics: dict[str, Any]
+    history: list[dict[str, Any]]
+    run_id: str | None
+    fingerprint: str
+
+
+@dataclass
+class _Interval:
+    """Running sums between two log lines."""
+
+    start_time: float = field(default_factory=time.perf_counter)
+    start_step: int = 0
+    excluded: float = 0.0  # seconds spent in eval / checkpoints, not training
+    loss_sum: float = 0.0
+    loss_n: int = 0
+
+
+def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer_sha256: str,
+          env: DistEnv, track: bool = True, prompt_ids: list[int] | None = None,
+          decode: Callable[[list[int]], str] | None = None,
+          log: Callable[[str], None] = print) -> TrainResult:
+    """Train (or resume) the run ``params`` defines; rank 0 logs and writes checkpoints."""
+    cfg, mcfg = params.train, params.model
+    device = env.device
+    checkpoint_dir = Path(checkpoint_dir)
+    vocab = int(data.train.vocab_size)
+    if int(data.val.vocab_size) != vocab:
+        raise InputError(f"train shards have vocab_size {vocab} but val shards "
+                         f"{data.val.vocab_size}; rebuild the shards")
+    if mcfg.doc_mask:
+        raise ConfigError("model.doc_mask: document-masked attention is not implemented in "
+                          "the train stage yet; set it to false")
+    log = log if env.is_main else _silent
+
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model = Llama(mcfg, vocab).to(device)
+    model.label_smoothing, model.z_loss = cfg.label_smoothing, cfg.z_loss
+    model.activation_checkpointing = cfg.activation_checkpointing
+    optimizer = build_optimizer(model, cfg, device)
+    precision = resolve_precision(cfg.precision, device)
+    scaler = precision.grad_scaler()
+    loader = data.make_loader(data.train, mcfg.seq_len, cfg.micro_batch_size, cfg.seed,
+                              rank=env.rank, world_size=env.world_size)
+    fp = ckpt.fingerprint(mcfg, cfg, env.world_size, data.train.manifest, data.val.manifest,
+                          tokenizer_sha256)
+    torch.manual_seed(cfg.seed + env.rank)  # per-rank dropout streams
+
+    state = _load_resume_state(checkpoint_dir, fp, env, log)
+    progress = _Progress()
+    if state is not None:
+        progress = _restore(state, model, optimizer, scaler, loader, env)
+        log(f"train: resuming from {state['path']} at step {progress.step}/{cfg.max_steps}")
+        del state
+    step, tokens_seen, skipped, history = (progress.step, progress.tokens_seen,
+                                           progress.skipped, progress.history)
+
+    ddp = None
+    step_model: torch.nn.Module = model
+    if env.distributed:
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                      else None)
+        step_model = ddp
+    if cfg.compile:
+        step_model = torch.compile(step_model)
+
+    run = open_run(params, progress.run_id) if (track and env.is_main) else NullRun()
+    tokens_per_step = cfg.micro_batch_size * mcfg.seq_len * cfg.grad_accum_steps * env.world_size
+    flops_per_step = model.flops_per_token() * tokens_per_step
+    peak = peak_flops(device, precision.name)
+    if env.is_main:
+        log(f"train: {model.num_params():,} parameters, {tokens_per_step:,} tokens/step, "
+            f"{precision.name} on {device}" + (f" x{env.world_size}" if ddp else ""))
+    t0 = time.perf_counter()
+    interval = _Interval(start_step=step, loss_sum=progress.loss_sum, loss_n=progress.loss_n)
+    bad_streak, last_good_ckpt = 0, progress.resumed_from
+    status = "FAILED"
+    try:
+        while step < cfg.max_steps:
+            lr = lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_val, grad_norm = _optimizer_step(step_model, ddp, model, optimizer, scaler,
+                                                  precision, loader, cfg.grad_accum_steps,
+                                                  cfg.grad_clip, env)
+            step += 1
+            tokens_seen += tokens_per_step
+            if math.isfinite(loss_val) and math.isfinite(grad_norm):
+                bad_streak = 0
+                interval.loss_sum += loss_val
+                interval.loss_n += 1
+            elif not (precision.name == "fp16" and math.isfinite(loss_val)):
+                # (fp16 overflow in the grads is routine: GradScaler skips and rescales.)
+                skipped += 1
+                bad_streak += 1
+                log(f"train: step {step}: non-finite loss {loss_val} / grad_norm {grad_norm}; "
+                    f"update skipped ({bad_streak} in a row)")
+                if bad_streak >= cfg.max_bad_steps:
+                    raise LmforgeError(
+                        f"train: {bad_streak} consecutive steps with a non-finite loss or "
+                        f"gradient (last at step {step}); stopped. Last good checkpoint: "
+                        f"{last_good_ckpt or 'none'}. Lower train.max_lr, raise "
+                        "train.warmup, or check the data")
+
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                history[step] = _log_step(step, lr, grad_norm, interval, skipped,
+                                          tokens_per_step, flops_per_step, peak, device,
+                                          cfg.max_steps, run, log)
+            paused = time.perf_counter()
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
+                val = evaluate_loss(model, data, params, precision, env)
+                history.setdefault(step, {"step": step})["val_loss"] = val
+                run.log_metrics({"val_loss": val}, step)
+                log(f"train: step {step}: val_loss {val:.4f}")
+            if env.is_main and cfg.sample_every and step % cfg.sample_every == 0:
+                _log_sample(model, prompt_ids, decode, cfg.seed, step, run)
+            if cfg.light_every and step % cfg.light_every == 0 and env.is_main:
+                # Model-only snapshots, kept per run (by fingerprint) and never pruned.
+                save_weights(model, checkpoint_dir / "light" / fp[:12]
+                             / f"step-{step:06d}.safetensors")
+            if step % cfg.ckpt_every == 0 and bad_streak == 0:
+                done = _Progress(step, tokens_seen, skipped, history, run.run_id, None,
+                                 progress.wall_seconds + time.perf_counter() - t0,
+                                 interval.loss_sum, interval.loss_n)
+                path = _save(checkpoint_dir, fp, done, model, optimizer, scaler, loader, env,
+                             cfg.keep_last)
+                last_good_ckpt = path or last_good_ckpt
+            interval.excluded += time.perf_counter() - paused
+
+        val = evaluate_loss(model, data, params, precision, env)
+        history.setdefault(step, {"step": step})["val_loss"] = val
+        rows = [history[s] for s in sorted(history)]
+        metrics = _final_metrics(rows, val, step, tokens_seen, skipped, model, precision, env,
+                                 progress, progress.wall_seconds + time.perf_counter() - t0)
+        run.log_metrics({"final_val_loss": val, "skipped_steps": skipped}, step)
+        log(f"train: done, step {step}, val_loss {val:.4f}")
+        status = "FINISHED"
+        return TrainResult(model, metrics, rows, run.run_id, fp)
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        run.finish(status)
+
+
+def _silent(_: str) -> None:
+    pass
+
+
+@dataclass
+class _Progress:
+    """How far a run got: what a checkpoint restores besides model/optimizer/loader/RNG."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    skipped: int = 0
+    history: dict[int, dict] = field(default_factory=dict)
+    run_id: str | None = None
+    resumed_from: str | None = None
+    wall_seconds: float = 0.0  # training time of the sessions so far
+    loss_sum: float = 0.0  # the open log interval, so resumed logs match uninterrupted ones
+    loss_n: int = 0
+
+
+def _restore(state: dict[str, Any], model: Llama, optimizer: torch.optim.Optimizer,
+             scaler: torch.amp.GradScaler, loader: Any, env: DistEnv) -> _Progress:
+    """Load a checkpoint into the live objects; return the run's progress."""
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    mine = state["ranks"][env.rank]
+    loader.load_state_dict(mine["loader"])
+    ckpt.restore_rng(mine["rng"], env.device)
+    p = state["progress"]
+    return _Progress(p["step"], p["tokens_seen"], p["skipped"],
+                     {row["step"]: row for row in p["history"]}, p["run_id"],
+                     Path(state["path"]).name, p["wall_seconds"], p["loss_sum"], p["loss_n"])
+
+
+def _final_metrics(rows: list[dict], val: float, step: int, tokens: int, skipped: int,
+                   model: Llama, precision: Precision, env: DistEnv, progress: _Progress,
+                   wall_seconds: float) -> dict[str, Any]:
+    """metrics/train.json."""
+    train_losses = [r["loss"] for r in rows if r.get("loss") is not None]
+    speeds = sorted(r["tokens_per_sec"] for r in rows if r.get("tokens_per_sec"))
+    return {
+        "train_loss": train_losses[-1] if train_losses else None,
+        "val_loss": val,
+        "steps": step,
+        "tokens": tokens,
+        # The median log interval: robust to the first (warm-up) one and to load spikes.
+        "tokens_per_sec": speeds[len(speeds) // 2] if speeds else None,
+        "params": model.num_params(),
+        "wall_seconds": round(wall_seconds, 3),
+        "resumed_from": progress.resumed_from,
+        "skipped_steps": skipped,
+        "precision": precision.name,
+        "world_size": env.world_size,
+    }
+
+
+def _optimizer_step(step_model: torch.nn.Module, ddp: DistributedDataParallel | None,
+                    model: Llama, optimizer: torch.optim.Optimizer,
+                    scaler: torch.amp.GradScaler, precision: Precision, loader: Any,
+                    accum: int, clip: float, env: DistEnv) -> tuple[float, float]:
+    """One optimizer step over ``accum`` micro-batches -> (mean loss, grad norm pre-clip).
+
+    A non-finite loss or grad norm skips the update. That test needs one host sync per
+    optimizer step; loss and grad norm travel in it, so logging costs nothing more.
+    """
+    loss_sum = torch.zeros((), device=env.device)
+    for micro in range(accum):
+        inputs, targets = loader.next_batch()
+        inputs = torch.as_tensor(inputs).to(env.device, non_blocking=True)
+        targets = torch.as_tensor(targets).to(env.device, non_blocking=True)
+        # Gradients are all-reduced only on the last micro-batch.
+        sync = (ddp.no_sync() if ddp is not None and micro < accum - 1
+                else contextlib.nullcontext())
+        with sync:
+            with precision.autocast():
+                _, loss = step_model(inputs, targets)
+            scaler.scale(loss / accum).backward()
+        loss_sum += loss.detach().float()
+    scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
+    stats = torch.stack([loss_sum / accum, norm.float()])
+    if env.distributed:
+        dist.all_reduce(stats, op=dist.ReduceOp.AVG if env.device.type == "cuda"
+                        else dist.ReduceOp.SUM)
+        if env.device.type != "cuda":  # gloo has no AVG
+            stats /= env.world_size
+    loss_val, norm_val = stats.tolist()
+    if math.isfinite(loss_val) and (math.isfinite(norm_val) or scaler.is_enabled()):
+        scaler.step(optimizer)  # with fp16, skips by itself when the grads overflowed
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_val, norm_val
+
+
+@torch.no_grad()
+def evaluate_loss(model: Llama, data: TrainData, params: Params, precision: Precision,
+                  env: DistEnv) -> float:
+    """Token-weighted mean val loss over ``train.eval_batches`` deterministic batches."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=env.device)
+    batches = data.eval_batches(data.val, params.model.seq_len, params.train.micro_batch_size,
+                                max_batches=params.train.eval_batches)
+    for i, batch in enumerate(batches):
+        if i % env.world_size != env.rank:  # ranks split the batches, then sum
+            continue
+        inputs = torch.as_tensor(batch["input"]).to(env.device)
+        targets = torch.as_tensor(batch["target"]).to(env.device)
+        with precision.autocast():
+            logits = model(inputs)
+        # Plain cross-entropy, so val loss stays comparable when label smoothing is on.
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+        total += torch.stack([loss.double(), (targets != IGNORE_INDEX).sum().double()])
+    if env.distributed:
+        dist.all_reduce(total)
+    model.train()
+    loss_sum, count = total.tolist()
+    return loss_sum / count if count else float("nan")
+
+
+def _log_step(step: int, lr: float, grad_norm: float, interval: _Interval, skipped: int,
+              tokens_per_step: int, flops_per_step: float, peak: float | None,
+              device: torch.device, max_steps: int, run: Any,
+              log: Callable[[str], None]) -> dict[str, Any]:
+    """Report the interval since the last log line; return its plots/train.tsv row."""
+    now = time.perf_counter()
+    steps = step - interval.start_step
+    seconds = max(now - interval.start_time - interval.excluded, 1e-9)
+    loss = interval.loss_sum / interval.loss_n if interval.loss_n else float("nan")
+    tps = steps * tokens_per_step / seconds
+    metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
+               "skipped_steps": skipped, "memory_mb": memory_mb(device),
+               "tflops": steps * flops_per_step / seconds / 1e12}
+    if peak:
+        metrics["mfu"] = metrics["tflops"] * 1e12 / peak
+    run.log_metrics(metrics, step)
+    eta = (max_steps - step) * seconds / max(steps, 1)
+    log(f"step {step:>6}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
+        f"grad_norm {grad_norm:.3f} | {tps:,.0f} tok/s | eta {format_duration(eta)}")
+    interval.start_time, interval.start_step, interval.excluded = now, step, 0.0
+    interval.loss_sum, interval.loss_n = 0.0, 0
+    return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "tokens_per_sec": tps}
+
+
+def _log_sample(model: Llama, prompt_ids: list[int] | None,
+                decode: Callable[[list[int]], str] | None, seed: int, step: int,
+                run: Any) -> None:
+    """Attach an unconditional sample to the run (own generator: training RNG untouched)."""
+    if not prompt_ids or decode is None:
+        return
+    gen = torch.Generator().manual_seed(seed)
+    ids = list(generate(model, prompt_ids, 64, temperature=0.8, top_k=50, generator=gen))
+    run.log_text(decode(ids), f"samples/step-{step:06d}.txt")
+
+
+def _load_resume_state(directory: Path, fp: str, env: DistEnv,
+                       log: Callable[[str], None]) -> dict[str, Any] | None:
+    """Rank 0 picks the checkpoint (and cleans up); every rank then reads that file."""
+    chosen: list[Any] = [None]
+    found = None
+    if env.is_main:
+        found = ckpt.load_resumable(directory, fp, log)
+        chosen[0] = str(found[1]) if found else None
+    if env.distributed:
+        dist.broadcast_object_list(chosen, src=0)
+    if chosen[0] is None:
+        return None
+    state = found[0] if found else ckpt.read_checkpoint(Path(chosen[0]))
+    if len(state["ranks"]) != env.world_size:
+        raise LmforgeError(f"{chosen[0]}: saved by {len(state['ranks'])} processes, "
+                           f"this run has {env.world_size}")
+    state["path"] = chosen[0]
+    return state
+
+
+def _save(directory: Path, fp: str, progress: _Progress, model: Llama,
+          optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, loader: Any,
+          env: DistEnv, keep_last: int) -> str | None:
+    """Gather every rank's loader and RNG state; rank 0 writes the checkpoint."""
+    ranks = all_gather_objects({"loader": loader.state_dict(),
+                                "rng": ckpt.capture_rng(env.device)}, env)
+    if not env.is_main:
+        return None
+    p = dataclasses.asdict(progress)
+    p["history"] = [progress.history[s] for s in sorted(progress.history)]
+    state = {
+        "format": ckpt.FORMAT, "fingerprint": fp, "step": progress.step,
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(), "ranks": ranks, "progress": p,
+    }
+    return str(ckpt.save_checkpoint(directory, progress.step, state, keep_last))

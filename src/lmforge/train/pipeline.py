@@ -1,0 +1,102 @@
+"""The train stage end to end: launch, check inputs, train, write the final model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lmforge.config import Params
+from lmforge.errors import InputError, LmforgeError
+from lmforge.io import write_json, write_text
+from lmforge.model.saved import save_model
+from lmforge.shards.format import file_sha256
+from lmforge.train import distributed
+from lmforge.train.loop import TrainResult, open_shard_data, train
+
+TSV_COLUMNS = ("step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_sec")
+
+
+@dataclass
+class TrainPaths:
+    """Inputs and outputs of the train stage, relative to the repo root."""
+
+    train_shards: Path = Path("data/shards/train")
+    val_shards: Path = Path("data/shards/val")
+    tokenizer: Path = Path("models/tokenizer/tokenizer.model")
+    checkpoints: Path = Path("models/checkpoints")
+    final: Path = Path("models/final")
+    metrics: Path = Path("metrics/train.json")
+    plots: Path = Path("plots/train.tsv")
+
+    def under(self, root: Path) -> TrainPaths:
+        """The same layout below ``root``."""
+        return TrainPaths(*(root / p for p in vars(self).values()))
+
+
+def run_train_stage(params: Params, paths: TrainPaths, module: str = "stages.train") -> None:
+    """Train as params say; with ``train.nproc > 1`` re-launch through torchrun first."""
+    if params.train.nproc > 1 and not distributed.under_torchrun():
+        code = distributed.relaunch_under_torchrun(params.train.nproc, module)
+        if code:
+            raise LmforgeError(f"train: torchrun exited with status {code}")
+        return
+    env = distributed.setup(params.train.device, params.train.num_threads)
+    try:
+        if not paths.tokenizer.is_file():
+            raise InputError(f"{paths.tokenizer}: no tokenizer (run the tokenizer stage)")
+        tokenizer_sha = file_sha256(paths.tokenizer)
+        data = open_shard_data(paths.train_shards, paths.val_shards)
+        for where, shards in ((paths.train_shards, data.train), (paths.val_shards, data.val)):
+            if shards.tokenizer_sha256 != tokenizer_sha:
+                raise InputError(
+                    f"{where}: tokenized with tokenizer "
+                    f"{shards.tokenizer_sha256[:12]}, but {paths.tokenizer} is "
+                    f"{tokenizer_sha[:12]}; rerun the shards stage")
+        special = special_ids(paths.tokenizer)
+        decode = _decoder(paths.tokenizer)
+        start = special["bos"] if special["bos"] >= 0 else special["eos"]
+        result = train(params, data, paths.checkpoints, tokenizer_sha, env,
+                       prompt_ids=[start] if start >= 0 else None, decode=decode)
+        if env.is_main:
+            write_outputs(result, paths, special, tokenizer_sha)
+    finally:
+        distributed.teardown()
+
+
+def special_ids(tokenizer: Path) -> dict[str, int]:
+    """bos/eos/pad/unk ids of a sentencepiece model (-1 where it has none)."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    return {"bos": sp.bos_id(), "eos": sp.eos_id(), "pad": sp.pad_id(), "unk": sp.unk_id()}
+
+
+def _decoder(tokenizer: Path) -> Any:
+    import sentencepiece as spm
+
+    return spm.SentencePieceProcessor(model_file=str(tokenizer)).decode
+
+
+def write_outputs(result: TrainResult, paths: TrainPaths, special: dict[str, int],
+                  tokenizer_sha: str) -> None:
+    """models/final (+ run.json), metrics/train.json and plots/train.tsv."""
+    save_model(result.model, paths.final, paths.tokenizer, special_ids=special,
+               tokenizer_sha256=tokenizer_sha, fingerprint=result.fingerprint)
+    write_json(paths.final / "run.json", {"mlflow_run_id": result.run_id})
+    write_json(paths.metrics, result.metrics)
+    write_text(paths.plots, history_tsv(result.history))
+
+
+def history_tsv(rows: list[dict[str, Any]]) -> str:
+    """The loss curve as TSV; a value that was not measured at a step is left blank."""
+    lines = ["\t".join(TSV_COLUMNS)]
+    for row in rows:
+        lines.append("\t".join(_cell(row.get(c)) for c in TSV_COLUMNS))
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    return str(value) if isinstance(value, int) else f"{value:.6g}"

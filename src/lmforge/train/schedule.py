@@ -1,0 +1,39 @@
+"""Learning-rate schedules: linear warmup, then cosine / linear / warmup-stable-decay.
+
+A schedule is a pure function of the optimizer step, so resuming only needs the step.
+"""
+
+from __future__ import annotations
+
+import math
+
+from lmforge.config import TrainConfig
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimizer step ``step`` (0-based) of ``cfg.max_steps``.
+
+    Warmup rises linearly to ``max_lr`` over ``cfg.warmup_steps()`` steps; the decay
+    then reaches ``min_lr_ratio * max_lr`` exactly on the last step.
+    """
+    peak, floor = cfg.max_lr, cfg.max_lr * cfg.min_lr_ratio
+    warmup = cfg.warmup_steps()
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    last = cfg.max_steps - 1
+    if cfg.schedule == "wsd":
+        decay_start = max(warmup, last - int(round(cfg.decay_fraction * cfg.max_steps)))
+        if step <= decay_start:
+            return peak
+        return peak + (floor - peak) * _progress(step, decay_start, last)
+    progress = _progress(step, warmup, last)
+    if cfg.schedule == "linear":
+        return peak + (floor - peak) * progress
+    return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak - floor)
+
+
+def _progress(step: int, start: int, end: int) -> float:
+    """Share of the way from ``start`` to ``end``, clamped to [0, 1]."""
+    if end <= start:
+        return 1.0
+    return min(1.0, max(0.0, (step - start) / (end - start)))

@@ -1,0 +1,79 @@
+"""What the loop reports: MFU against the device's peak, memory, ETA, MLflow (rank 0)."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from typing import Any
+
+import torch
+
+from lmforge.config import Params
+
+# Dense bf16/fp16 tensor-core peaks (FLOP/s), matched by substring of the device name.
+# Most specific names first ("H200" before "H100" is not needed, but "A100" vs "A10" is).
+PEAK_FLOPS = (
+    ("H200", 989e12), ("H100", 989e12), ("GH200", 989e12), ("B200", 2250e12),
+    ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12), ("A10", 125e12),
+    ("L4", 121e12), ("V100", 125e12), ("RTX 4090", 165e12), ("RTX 3090", 71e12),
+)
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """The device's dense half-precision peak, or None when unknown (CPU, fp32, other GPU)."""
+    if device.type != "cuda" or precision not in ("bf16", "fp16"):
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_FLOPS:
+        if key in name:
+            return flops
+    return None
+
+
+def memory_mb(device: torch.device) -> float:
+    """Peak memory: CUDA allocator high-water mark, else this process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes vs KiB
+
+
+def format_duration(seconds: float) -> str:
+    """``1h02m``, ``3m05s``, ``42s``."""
+    s = max(0, int(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+class NullRun:
+    """Stands in for an MLflow run when tracking is off (tests, ranks other than 0)."""
+
+    run_id: str | None = None
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        pass
+
+    def finish(self, status: str = "FINISHED") -> None:
+        pass
+
+
+def open_run(params: Params, run_id: str | None = None) -> Any:
+    """Start (or, on resume, reopen) the MLflow run; a tracking failure never stops training."""
+    try:
+        from lmforge.tracking import resume_run, start_run
+
+        if run_id:
+            try:
+                return resume_run(run_id)
+            except Exception:  # the store was reset since: open a new run instead
+                pass
+        return start_run(params)
+    except Exception as e:  # an unreachable store must not cost a training run
+        print(f"train: MLflow tracking is off ({type(e).__name__}: {e})", file=sys.stderr)
+        return NullRun()

@@ -1,0 +1,331 @@
+"""The training loop and stage: accumulation, the non-finite guard, checkpoints, resume."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from lmforge.config import ModelConfig, Params, TrainConfig
+from lmforge.errors import LmforgeError
+from lmforge.model import Llama, load_model
+from lmforge.shards import ShardSet, WindowLoader, eval_batches
+from lmforge.shards.format import file_sha256
+from lmforge.shards.writer import write_shards
+from lmforge.train import checkpoint as ckpt
+from lmforge.train.distributed import DistEnv
+from lmforge.train.loop import TrainData, _optimizer_step, train
+from lmforge.train.pipeline import TrainPaths
+from lmforge.train.precision import resolve_precision
+
+REPO = Path(__file__).resolve().parents[1]
+CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def write_tokenizer(path: Path) -> int:
+    """A tiny BPE sentencepiece model; returns its vocab size."""
+    import sentencepiece as spm
+
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "kappa", "omega", "sigma", "tau"]
+    sents = [" ".join(rng.choice(words, 10)) for _ in range(200)]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(sents), model_writer=buf,
+                                   vocab_size=300, model_type="bpe", byte_fallback=True,
+                                   minloglevel=2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(buf.getvalue())
+    return 300
+
+
+def make_inputs(root: Path) -> TrainPaths:
+    """Tokenizer + train/val shards under ``root`` in the repo layout."""
+    paths = TrainPaths().under(root)
+    vocab = write_tokenizer(paths.tokenizer)
+    sha = file_sha256(paths.tokenizer)
+    rng = np.random.default_rng(1)
+    for directory, ndocs in ((paths.train_shards, 60), (paths.val_shards, 8)):
+        # Learnable documents: each token is a fixed function of the one before, mostly.
+        docs = []
+        for _ in range(ndocs):
+            t = [int(rng.integers(3, vocab))]
+            for _ in range(int(rng.integers(40, 120))):
+                t.append((t[-1] * 7 + 3) % vocab if rng.random() < 0.8
+                         else int(rng.integers(3, vocab)))
+            docs.append(t + [2])
+        write_shards(directory, docs, vocab, tokenizer_sha256=sha, shard_tokens=2000)
+    return paths
+
+
+def tiny_params(**train_kw) -> Params:
+    train = dict(max_steps=30, micro_batch_size=4, max_lr=3e-3, warmup=3, log_every=5,
+                 eval_every=10, eval_batches=2, ckpt_every=5, keep_last=2, num_threads=1)
+    train.update(train_kw)
+    return Params(model=ModelConfig(n_layer=2, n_head=4, n_embd=64, seq_len=32),
+                  train=TrainConfig(**train))
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> TrainPaths:
+    return make_inputs(tmp_path_factory.mktemp("repo"))
+
+
+def open_data(paths: TrainPaths) -> TrainData:
+    return TrainData(ShardSet(paths.train_shards), ShardSet(paths.val_shards), WindowLoader,
+                     eval_batches)
+
+
+def run(params: Params, paths: TrainPaths, ckpt_dir: Path, logs: list[str] | None = None):
+    return train(params, open_data(paths), ckpt_dir, "t" * 64, CPU, track=False,
+                 log=(logs.append if logs is not None else lambda _: None))
+
+
+class ListLoader:
+    """Hands out the given batches in order (for the accumulation test)."""
+
+    def __init__(self, batches):
+        self.batches = list(batches)
+
+    def next_batch(self):
+        return self.batches.pop(0)
+
+
+def test_accumulated_micro_batches_give_the_full_batch_gradient():
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16)
+    base = Llama(cfg, 64)
+    x, y = torch.randint(0, 64, (2, 8, 16))
+    updates = []
+    for accum in (1, 4):
+        model = copy.deepcopy(base)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        prec = resolve_precision("fp32", CPU.device)
+        b = 8 // accum
+        loader = ListLoader((x[i:i + b], y[i:i + b]) for i in range(0, 8, b))
+        loss, norm = _optimizer_step(model, None, model, opt, prec.grad_scaler(), prec, loader,
+                                     accum, 0.0, CPU)
+        assert not loader.batches  # every micro-batch was used
+        updates.append(([b0 - p.detach() for b0, p in zip(before, model.parameters(),
+                                                            strict=True)], loss, norm))
+    (g1, loss1, n1), (g4, loss4, n4) = updates
+    assert loss4 == pytest.approx(loss1, rel=1e-5) and n4 == pytest.approx(n1, rel=1e-4)
+    for a, b in zip(g1, g4, strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    assert any(a.abs().sum() > 0 for a in g1)
+
+
+def test_grad_norm_is_logged_before_clipping():
+    torch.manual_seed(0)
+    model = Llama(ModelConfig(n_layer=1, n_head=2, n_embd=16, seq_len=8), 32)
+    x, y = torch.randint(0, 32, (2, 4, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    prec = resolve_precision("fp32", CPU.device)
+    _, norm = _optimizer_step(model, None, model, opt, prec.grad_scaler(), prec,
+                              ListLoader([(x, y)]), 1, 1e-3, CPU)
+    assert norm > 1e-3  # the clip threshold did not cap the reported norm
+
+
+def test_training_reduces_loss_and_writes_history(inputs, tmp_path):
+    result = run(tiny_params(max_steps=40, eval_every=20), inputs, tmp_path / "ck")
+    rows = result.history
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses[-1] < losses[0] - 0.5
+    assert [r["step"] for r in rows] == sorted({5 * i for i in range(1, 9)} | {20})
+    assert result.metrics["steps"] == 40 and result.metrics["tokens"] == 40 * 4 * 32
+    assert result.metrics["val_loss"] < np.log(300)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-000035.pt",
+                                                                   "step-000040.pt"]
+
+
+def test_non_finite_steps_are_skipped_then_stop(inputs, tmp_path, monkeypatch):
+    original = Llama.loss
+    calls = {"n": 0}
+
+    def flaky_loss(self, logits, targets):
+        calls["n"] += 1
+        loss = original(self, logits, targets)
+        return loss * float("nan") if calls["n"] in (3, 4) else loss
+
+    monkeypatch.setattr(Llama, "loss", flaky_loss)
+    result = run(tiny_params(max_steps=8, ckpt_every=100, eval_every=0), inputs,
+                 tmp_path / "a")
+    assert result.metrics["skipped_steps"] == 2
+    assert all(torch.isfinite(p).all() for p in result.model.parameters())
+
+    monkeypatch.setattr(Llama, "loss", lambda self, lg, t: original(self, lg, t) * float("inf"))
+    logs: list[str] = []
+    with pytest.raises(LmforgeError, match="3 consecutive steps"):
+        run(tiny_params(max_steps=20, max_bad_steps=3, eval_every=0), inputs, tmp_path / "b",
+            logs)
+    assert sum("update skipped" in line for line in logs) == 3
+
+
+def test_fingerprint_mismatch_starts_fresh(inputs, tmp_path):
+    ck = tmp_path / "ck"
+    first = run(tiny_params(max_steps=10, eval_every=0), inputs, ck)
+    assert first.metrics["resumed_from"] is None
+    again = run(tiny_params(max_steps=10, eval_every=0, log_every=2), inputs, ck)  # logging only
+    assert again.metrics["resumed_from"].endswith("step-000010.pt")
+    logs: list[str] = []
+    other = run(tiny_params(max_steps=10, eval_every=0, max_lr=1e-3), inputs, ck, logs)
+    assert other.metrics["resumed_from"] is None
+    assert any("belong to another run" in line and "starting fresh" in line for line in logs)
+    fps = {torch.load(p, weights_only=True)["fingerprint"] for p in ck.glob("step-*.pt")}
+    assert fps == {other.fingerprint} != {first.fingerprint}
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(inputs, tmp_path):
+    ck = tmp_path / "ck"
+    result = run(tiny_params(max_steps=10, eval_every=0), inputs, ck)
+    newest = ck / "step-000010.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as by a full disk
+    logs: list[str] = []
+    state, path = ckpt.load_resumable(ck, result.fingerprint, logs.append)
+    assert path.name == "step-000005.pt" and state["step"] == 5
+    assert "unreadable" in logs[0] and "step-000010.pt" in logs[0]
+
+
+# --------------------------------------------------------------------------- the real stage
+
+# Runs the stage as DVC does, with data loading slowed down so the kill lands mid-run.
+_RUNNER = """
+import sys, time
+from lmforge.shards import loader
+_next = loader.WindowLoader.next_batch
+def slow(self):
+    time.sleep(0.02)
+    return _next(self)
+loader.WindowLoader.next_batch = slow
+from lmforge.stage import run_stage
+from stages.train import main
+run_stage(main)
+"""
+
+
+def stage_repo(root: Path) -> Path:
+    make_inputs(root)
+    params = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
+    params["model"] = {"n_layer": 2, "n_head": 4, "n_embd": 64, "seq_len": 32}
+    params["train"] = {"max_steps": 30, "micro_batch_size": 4, "max_lr": 3e-3, "warmup": 3,
+                       "log_every": 5, "eval_every": 10, "eval_batches": 2, "ckpt_every": 5,
+                       "keep_last": 2, "num_threads": 1}
+    (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
+    (root / "runner.py").write_text(_RUNNER, encoding="utf-8")
+    return root
+
+
+def start_stage(root: Path) -> subprocess.Popen:
+    # One MLflow store for all runs of the test: its schema is created once.
+    env = dict(os.environ, PYTHONPATH=str(REPO), DVC_ROOT=str(root),
+               MLFLOW_TRACKING_URI=f"sqlite:///{root.parent / 'mlflow.db'}")
+    return subprocess.Popen([sys.executable, "runner.py"], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    return out
+
+
+def test_sigkill_then_resume_is_bit_identical(tmp_path):
+    straight = stage_repo(tmp_path / "straight")
+    out = finish(start_stage(straight))
+    assert "resuming" not in out
+
+    killed = stage_repo(tmp_path / "killed")
+    proc = start_stage(killed)
+    target = killed / "models" / "checkpoints" / "step-000010.pt"
+    deadline = time.monotonic() + 60
+    while not target.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.002)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "models" / "final").exists()
+    out = finish(start_stage(killed))
+    assert "resuming from" in out
+
+    final_a = straight / "models" / "final"
+    final_b = killed / "models" / "final"
+    assert ((final_a / "model.safetensors").read_bytes()
+            == (final_b / "model.safetensors").read_bytes())
+    metrics_a = json.loads((straight / "metrics" / "train.json").read_text())
+    metrics_b = json.loads((killed / "metrics" / "train.json").read_text())
+    assert metrics_b["resumed_from"] and metrics_a["resumed_from"] is None
+    assert metrics_a["val_loss"] == metrics_b["val_loss"]
+    assert metrics_a["train_loss"] == metrics_b["train_loss"]
+
+    # The stage's other outputs: config + tokenizer copy, run id, curve.
+    model, config = load_model(final_a)
+    assert config["vocab_size"] == 300 and config["special_ids"]["eos"] == 2
+    assert (final_a / "tokenizer.model").read_bytes() == (
+        straight / "models" / "tokenizer" / "tokenizer.model").read_bytes()
+    assert json.loads((final_a / "run.json").read_text())["mlflow_run_id"]
+    tsv = (straight / "plots" / "train.tsv").read_text().splitlines()
+    assert tsv[0].split("\t") == ["step", "loss", "val_loss", "lr", "grad_norm",
+                                  "tokens_per_sec"]
+    assert len(tsv) == 1 + 6 and tsv[2].split("\t")[2]  # step 10 has a val loss
+    assert tsv[1].split("\t")[2] == ""  # step 5 does not
+
+
+def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path):
+    import random
+
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    saved = ckpt.capture_rng(CPU.device)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    torch.save({"rng": saved}, tmp_path / "r.pt")
+    ckpt.restore_rng(torch.load(tmp_path / "r.pt", weights_only=True)["rng"], CPU.device)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+@pytest.mark.slow
+def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
+    """torchrun (gloo) with 2 x 4 windows per step ~ one process with 8 windows per step."""
+    from safetensors.torch import load_file
+
+    root = stage_repo(tmp_path / "ddp")
+    params = yaml.safe_load((root / "params.yaml").read_text(encoding="utf-8"))
+    params["train"].update(nproc=2, micro_batch_size=4, max_steps=10, eval_every=0)
+    (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
+    # Start the two ranks as torchrun would (its launcher would only add start-up time).
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, PYTHONPATH=str(REPO), DVC_ROOT=str(root), RANK=str(rank),
+                   LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
+        procs.append(subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=root,
+                                      env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    for proc in procs:
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, out
+    metrics = json.loads((root / "metrics" / "train.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["tokens"] == 10 * 8 * 32
+    ddp = load_file(root / "models" / "final" / "model.safetensors")
+
+    # The same windows per step in one process: rank r of 2 takes every other window.
+    single = run(tiny_params(max_steps=10, micro_batch_size=8, eval_every=0),
+                 TrainPaths().under(root), tmp_path / "single").model.state_dict()
+    for name, weight in ddp.items():
+        assert torch.allclose(weight, single[name], atol=2e-4), name
