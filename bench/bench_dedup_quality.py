@@ -7,7 +7,7 @@ the script reports recall for pairs at J >= 0.85 and the false-positive rate for
 pairs at J <= 0.5 (targets: >= 0.95 and <= 0.005). The baseline is the LSH S-curve's
 own prediction for the same pairs, printed beside the measurement.
 
-    .venv/bin/python bench/bench_dedup_quality.py [--pairs 600]
+    .venv/bin/python bench/bench_dedup_quality.py [--pairs 600] [--scheme oph|affine32]
 """
 
 from __future__ import annotations
@@ -46,12 +46,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=600)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scheme", default="oph", choices=minhash.SCHEMES)
     args = ap.parse_args()
     rng = random.Random(args.seed)
     docs = [(d, minhash.normalize(t)) for d, t in demo_docs()]
     docs = [x for x in docs if len(x[1]) > 500]
     sample = rng.sample(docs, min(args.pairs, len(docs)))
-    cfg = DedupConfig(num_workers=0)
+    cfg = DedupConfig(num_workers=0, scheme=args.scheme)
     rows, pairs = [], []
     for k, (domain, text) in enumerate(sample):
         # Rates spread the pairs over J from ~1 down to ~0.2.
@@ -77,7 +78,7 @@ def main() -> None:
     s = lambda j: 1 - (1 - j**cfg.rows) ** cfg.bands  # noqa: E731 - the LSH S-curve
     s_high = sum(s(j) for j, _ in found if j >= 0.85) / max(len(high), 1)
     s_low = sum(s(j) for j, _ in found if j <= 0.5) / max(len(low), 1)
-    print(f"pairs={len(pairs)} bands={cfg.bands} rows={cfg.rows} num_perm={cfg.num_perm} "
+    print(f"scheme={cfg.scheme} pairs={len(pairs)} bands={cfg.bands} rows={cfg.rows} num_perm={cfg.num_perm} "
           f"threshold={(1 / cfg.bands) ** (1 / cfg.rows):.3f}")
     print(f"J >= 0.85: {len(high)} pairs, recall {sum(high) / max(len(high), 1):.4f} "
           f"(S-curve baseline {s_high:.4f}; target >= 0.95)")

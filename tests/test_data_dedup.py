@@ -1,13 +1,17 @@
-"""Dedup: signatures match datasketch, exact and near duplicates found, nothing else."""
+"""Dedup: signatures (oph, and affine32 = datasketch's), exact and near duplicates found."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from datasketch import MinHash
 
 from lmforge.config import DedupConfig
@@ -45,15 +49,71 @@ def write_parts(directory: Path, docs: list[tuple[str, str, str]], per_part: int
                        directory / f"part-{k // per_part:05d}.parquet")
 
 
-def test_signature_equals_datasketch_minhash():
-    rng = random.Random(1)
-    text = minhash.normalize(english(rng))
-    hashes = minhash.shingle_hashes(text, "word", 5, 5)
-    a, b = minhash.permutations(64, 3)
-    ours = minhash.signature(hashes, a, b, chunk=16)  # several chunks
-    ref = MinHash(num_perm=64, seed=3, hashfunc=lambda h: h)
-    ref.update_batch([int(h) for h in hashes])
-    assert np.array_equal(ours, ref.hashvalues)
+def _mixed_texts() -> list[str]:
+    """English and Chinese texts of many lengths, an empty one and very short ones."""
+    rng = random.Random(5)
+    texts = [english(rng, n) for n in (3, 40, 150, 400)] + [chinese(rng, n) for n in (2, 60, 300)]
+    texts += ["", "x", english(rng, 150) + " " + chinese(rng, 20)]
+    return [minhash.normalize(t) for t in texts]
+
+
+def test_affine32_signatures_equal_datasketch_minhash():
+    texts = _mixed_texts()
+    ours = minhash.signatures(texts, 64, 3, "affine32")
+    for text, sig in zip(texts, ours, strict=True):
+        ref = MinHash(num_perm=64, seed=3, hashfunc=lambda h: h)
+        ref.update_batch(minhash.shingle_hashes(text, "auto", 5, 5).tolist())
+        assert np.array_equal(sig, ref.hashvalues)
+    # Texts spanning several permutation blocks give the same values.
+    shingles = minhash.shingle_sets(texts)
+    assert np.array_equal(minhash.affine_signatures(shingles, len(texts), 64, 3, block=16), ours)
+
+
+@pytest.mark.parametrize("scheme", minhash.SCHEMES)
+def test_signatures_do_not_depend_on_the_batch(scheme):
+    texts = _mixed_texts()
+    together = minhash.signatures(texts, 64, 1, scheme)
+    apart = np.stack([minhash.signatures([t], 64, 1, scheme)[0] for t in texts])
+    small = minhash.signatures(texts, 64, 1, scheme, batch_chars=500)
+    assert np.array_equal(together, apart) and np.array_equal(together, small)
+    empty = np.iinfo(np.uint32).max
+    assert (together[texts.index("")] == empty).all()
+    assert not (np.delete(together, texts.index(""), axis=0) == empty).any()  # densified
+    assert not np.array_equal(together, minhash.signatures(texts, 64, 2, scheme))  # seeded
+
+
+def test_oph_estimates_jaccard_like_minhash():
+    rng = random.Random(3)
+    errors = {s: [] for s in minhash.SCHEMES}
+    for k in range(12):
+        base = minhash.normalize(english(rng, 300))
+        other = mutate_words(base, 5 * k + 1, rng)
+        a = set(minhash.shingle_hashes(base, "word", 5, 5).tolist())
+        b = set(minhash.shingle_hashes(other, "word", 5, 5).tolist())
+        true = len(a & b) / len(a | b)
+        for scheme in minhash.SCHEMES:
+            sa, sb = minhash.signatures([base, other], 256, 7, scheme, "word")
+            errors[scheme].append(float(minhash.jaccard(sa, sb)) - true)
+    # Unbiased, with a MinHash's spread (sd ~0.03 at 256 slots).
+    for scheme, err in errors.items():
+        assert abs(np.mean(err)) < 0.03 and np.max(np.abs(err)) < 0.12, (scheme, err)
+
+
+def test_unknown_scheme_is_refused():
+    with pytest.raises(ValueError, match="scheme"):
+        minhash.signatures(["a b c"], 16, 1, "sha1")
+
+
+def test_shingle_hashes_and_signatures_are_stable_across_processes():
+    text = minhash.normalize(english(random.Random(2)) + " " + chinese(random.Random(2), 40))
+    code = ("import sys; from lmforge.data import minhash as m; t = sys.stdin.read(); "
+            "print(m.shingle_hashes(t, 'auto', 5, 5).tolist(), m.signatures([t])[0].tolist())")
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code], input=text, capture_output=True,
+                         text=True, env=env, check=True).stdout
+    here = (minhash.shingle_hashes(text, "auto", 5, 5).tolist(),
+            minhash.signatures([text])[0].tolist())
+    assert out.strip() == f"{here[0]} {here[1]}"
 
 
 def test_shingle_hashes_are_position_independent():

@@ -153,3 +153,39 @@ def test_eval_batches_max_batches_limits_and_spreads(stream):
     assert len(batches) == 3
     firsts = torch.cat([b["input"][:, 0] for b in batches])
     assert firsts.max() > shards.num_tokens // 2  # not just the start of the stream
+
+
+def _pos_in_doc(lens: np.ndarray) -> np.ndarray:
+    """Reference: offset within its document of every stream position."""
+    return np.concatenate([np.arange(n) for n in lens])
+
+
+@pytest.mark.parametrize("align", [False, True])
+def test_doc_info_gives_positions_within_documents(stream, align):
+    shards, lens, _ = stream
+    ref = torch.from_numpy(_pos_in_doc(lens))
+    plain = WindowLoader(shards, seq_len=32, batch_size=6, seed=4, align_to_docs=align)
+    info = WindowLoader(shards, seq_len=32, batch_size=6, seed=4, align_to_docs=align,
+                        return_doc_info=True)
+    for _ in range(5):
+        x, y = plain.next_batch()
+        x2, y2, pos = info.next_batch()
+        # Same batches as without doc info: the flag only adds.
+        assert torch.equal(x, x2) and torch.equal(y, y2)
+        assert pos.shape == x.shape and pos.dtype == torch.int64
+        assert torch.equal(pos, ref[x2])  # token value == stream position here
+        assert bool((pos == 0).any())  # windows of 32 over docs of < 90 tokens cross starts
+    assert info.state_dict() == plain.state_dict()
+
+
+def test_eval_batches_doc_info(stream):
+    shards, lens, _ = stream
+    ref = torch.from_numpy(_pos_in_doc(lens))
+    batches = list(eval_batches(shards, 50, 4, return_doc_info=True))
+    assert "positions" not in next(eval_batches(shards, 50, 4))
+    for b in batches:
+        keep = b["target"] != IGNORE_INDEX
+        assert torch.equal(b["positions"][keep], ref[b["input"][keep]])
+    assert bool((~keep).any())  # the last window is a padded tail
+    assert torch.equal(batches[-1]["positions"][~keep], torch.zeros(int((~keep).sum()),
+                                                                     dtype=torch.int64))

@@ -205,3 +205,21 @@ def test_bad_model_file_is_reported(tmp_path):
     (tmp_path / "x.model").write_bytes(b"not a model")
     with pytest.raises(InputError, match=r"x\.model: not a sentencepiece model"):
         Tokenizer.load(tmp_path / "x.model")
+
+
+@pytest.mark.parametrize("byte_fallback", [True, False])
+def test_unknown_and_byte_fallback_rates(tmp_path, byte_fallback):
+    from lmforge.tokenizer.report import heldout_stats
+
+    cfg = TokenizerConfig(vocab_size=280 if byte_fallback else 20,
+                          byte_fallback=byte_fallback, num_threads=1)
+    model, _ = train_model(["abc abd bcd dab cab " * 20] * 20, cfg)
+    pq.write_table(pa.table({"id": ["0"], "text": ["abc 数据 xyz"], "domain": ["d"]}),
+                   tmp_path / "part-00000.parquet")
+    stats = heldout_stats(Tokenizer(model), [tmp_path / "part-00000.parquet"], 1)["all"]
+    if byte_fallback:
+        assert stats["unk_rate"] == 0 and stats["byte_fallback_rate"] > 0
+        assert stats["roundtrip_failures"] == 0
+    else:
+        assert stats["unk_rate"] > 0 and stats["byte_fallback_rate"] == 0
+        assert stats["roundtrip_failures"] == 1

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from lmforge.errors import LmforgeError
 from lmforge.export import add_export_parser, add_import_parser
+from lmforge.shards.inspect import add_inspect_parser
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_export_parser(sub)
     add_import_parser(sub)
+    add_inspect_parser(sub)
     return parser
 
 

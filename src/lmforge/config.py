@@ -179,6 +179,9 @@ class DedupConfig:
     shingle: Literal["auto", "word", "char"] = "auto"
     word_ngram: int = 5
     char_ngram: int = 5
+    # Signature scheme: "oph" (one-permutation hashing, densified: O(1) work per shingle)
+    # or "affine32" (datasketch.MinHash's own values, O(num_perm) work per shingle).
+    scheme: Literal["oph", "affine32"] = "oph"
     # Which document of a cluster survives: the first seen, the longest, or the one with
     # the best quality score (lmforge.data.quality).
     keep: Literal["first", "longest", "quality"] = "first"

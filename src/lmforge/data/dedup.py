@@ -62,15 +62,15 @@ def sketch_part(task: SketchTask) -> PartSketch:
     cfg = task.cfg
     table = read_table(task.path, columns=["id", "text", "domain"])
     texts = table.column("text").to_pylist()
-    a, b = minhash.permutations(cfg.num_perm, cfg.seed)
-    sigs = np.empty((len(texts), cfg.num_perm if cfg.near else 0), dtype=np.uint32)
-    keys = []
-    for i, text in enumerate(texts):
-        norm = minhash.normalize(text)
-        keys.append(minhash.exact_key(norm))
-        if cfg.near:
-            shingles = minhash.shingle_hashes(norm, cfg.shingle, cfg.word_ngram, cfg.char_ngram)
-            sigs[i] = minhash.signature(shingles, a, b)
+    norms = [minhash.normalize(t) for t in texts]
+    keys = [minhash.exact_key(t) for t in norms]
+    if cfg.near:
+        # The whole part at once: shingling and sketching are vectorised across texts.
+        sigs = minhash.signatures(norms, cfg.num_perm, cfg.seed, cfg.scheme, cfg.shingle,
+                                  cfg.word_ngram, cfg.char_ngram)
+    else:
+        sigs = np.empty((len(texts), 0), dtype=np.uint32)
+    del norms
     chars = pc.utf8_length(table.column("text")).to_numpy().astype(np.int64)
     quality = np.zeros(len(texts))
     if cfg.keep == "quality":
@@ -125,7 +125,7 @@ def link_near(sigs: np.ndarray, candidates: list[int], cfg: DedupConfig, uf: Uni
     lsh = MinHashLSH(num_perm=cfg.num_perm, params=(cfg.bands, cfg.rows))
     threshold = lsh_threshold(cfg.bands, cfg.rows)
     for i in candidates:
-        m = LeanMinHash(seed=cfg.seed, hashvalues=sigs[i], scheme=minhash.SCHEME)
+        m = LeanMinHash(seed=cfg.seed, hashvalues=sigs[i], scheme=minhash.LSH_SCHEME)
         found = lsh.query(m)
         if found:
             found = np.array(sorted(found))

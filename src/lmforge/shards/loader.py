@@ -71,6 +71,7 @@ class ShardSet:
         self.doc_ends: np.ndarray = np.concatenate(ends)  # global end offset per document
         self.doc_bytes: np.ndarray = np.concatenate(nbytes)
         self.doc_domains: np.ndarray = np.concatenate(domains).astype(np.int64)
+        self._doc_starts: np.ndarray | None = None  # built on first use
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` of the concatenated stream as int64."""
@@ -116,6 +117,17 @@ class ShardSet:
         """Global start offset of every document (int64)."""
         return np.concatenate([[0], self.doc_ends[:-1]]).astype(np.int64)
 
+    def positions_in_doc(self, positions: np.ndarray) -> np.ndarray:
+        """Offset of each token position from the start of its document (same shape).
+
+        0 marks a document's first token, so a window's document boundaries are where
+        this is 0, and ``cumsum(pos == 0)`` numbers its documents.
+        """
+        if self._doc_starts is None:
+            self._doc_starts = self.doc_starts()
+        positions = np.asarray(positions, dtype=np.int64)
+        return positions - self._doc_starts[self.doc_of(positions)]
+
 
 class WindowLoader:
     """Seeded, resumable, rank-sharded training batches of ``seq_len + 1``-token windows.
@@ -125,10 +137,15 @@ class WindowLoader:
     epoch. With ``align_to_docs`` every window starts at a document start or at a
     multiple of ``seq_len`` inside a long document, so no document begins mid-window
     without its first tokens being seen as context somewhere.
+
+    With ``return_doc_info`` ``next_batch`` also returns, for every input token, its
+    position within its document (``(B, T)`` int64; 0 at each document start): the
+    position ids and document boundaries that attention masked per document needs.
     """
 
     def __init__(self, shards: ShardSet, seq_len: int, batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1, align_to_docs: bool = False) -> None:
+                 rank: int = 0, world_size: int = 1, align_to_docs: bool = False,
+                 return_doc_info: bool = False) -> None:
         if seq_len <= 0 or batch_size <= 0:
             raise ConfigError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be > 0")
         if not 0 <= rank < world_size:
@@ -140,6 +157,7 @@ class WindowLoader:
         self.rank = rank
         self.world_size = world_size
         self.align_to_docs = align_to_docs
+        self.return_doc_info = return_doc_info
         self._starts = _doc_aligned_starts(shards, seq_len) if align_to_docs else None
         self.num_windows = (len(self._starts) if self._starts is not None
                             else (shards.num_tokens - 1) // seq_len)
@@ -155,8 +173,12 @@ class WindowLoader:
         """The epoch the next window comes from."""
         return self._cursor // self.num_windows
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, targets)``, each ``(batch_size, seq_len)`` int64; targets = inputs + 1."""
+    def next_batch(self) -> tuple[torch.Tensor, ...]:
+        """``(inputs, targets)``, each ``(batch_size, seq_len)`` int64; targets = inputs + 1.
+
+        With ``return_doc_info``: ``(inputs, targets, positions)``, ``positions`` being
+        each input token's offset within its document.
+        """
         steps = np.arange(self.batch_size, dtype=np.int64)
         cursors = self._cursor + steps * self.world_size + self.rank
         epochs, slots = np.divmod(cursors, self.num_windows)
@@ -168,8 +190,12 @@ class WindowLoader:
         tokens = self.shards.windows(starts, self.seq_len + 1)
         self._cursor += self.batch_size * self.world_size
         self.last_starts = starts
-        return (torch.from_numpy(np.ascontiguousarray(tokens[:, :-1])),
-                torch.from_numpy(np.ascontiguousarray(tokens[:, 1:])))
+        batch = (torch.from_numpy(np.ascontiguousarray(tokens[:, :-1])),
+                 torch.from_numpy(np.ascontiguousarray(tokens[:, 1:])))
+        if not self.return_doc_info:
+            return batch
+        ar = np.arange(self.seq_len, dtype=np.int64)
+        return (*batch, torch.from_numpy(self.shards.positions_in_doc(starts[:, None] + ar)))
 
     def state_dict(self) -> dict:
         """The position as plain ints (safe for ``torch.load(weights_only=True)``)."""
@@ -209,15 +235,16 @@ def _doc_aligned_starts(shards: ShardSet, seq_len: int) -> np.ndarray:
     return out[out + seq_len + 1 <= shards.num_tokens]
 
 
-def eval_batches(shards: ShardSet, seq_len: int, batch_size: int,
-                 max_batches: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+def eval_batches(shards: ShardSet, seq_len: int, batch_size: int, max_batches: int = 0,
+                 return_doc_info: bool = False) -> Iterator[dict[str, torch.Tensor]]:
     """Deterministic evaluation batches; every token after the first is a target once.
 
     Windows of ``seq_len + 1`` tokens at stride ``seq_len``; the final partial window is
     padded (input 0, target ``IGNORE_INDEX``, domain -1). Yields ``input``, ``target``
     and ``domain`` (the domain code of each target token), all ``(B, seq_len)`` int64;
     the last batch may be smaller. ``max_batches > 0`` scores that many batches of
-    windows spread evenly over the stream instead of a full pass.
+    windows spread evenly over the stream instead of a full pass. ``return_doc_info`` adds
+    ``positions``: each input token's offset within its document (0 in the padding).
     """
     if seq_len <= 0 or batch_size <= 0:
         raise ConfigError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be > 0")
@@ -241,9 +268,17 @@ def eval_batches(shards: ShardSet, seq_len: int, batch_size: int,
             t_inp, t_tgt, t_dom = _tail_window(shards, full * seq_len, tail, seq_len)
             inp, tgt, dom = (np.concatenate([inp, t_inp]), np.concatenate([tgt, t_tgt]),
                              np.concatenate([dom, t_dom]))
-        yield {"input": torch.from_numpy(np.ascontiguousarray(inp)),
+        out = {"input": torch.from_numpy(np.ascontiguousarray(inp)),
                "target": torch.from_numpy(np.ascontiguousarray(tgt)),
                "domain": torch.from_numpy(np.ascontiguousarray(dom))}
+        if return_doc_info:
+            pos = shards.positions_in_doc(batch_starts[:, None] + ar)
+            if len(pos) < len(inp):  # the padded tail window
+                t_pos = np.zeros((1, seq_len), np.int64)
+                t_pos[0, :tail] = shards.positions_in_doc(full * seq_len + ar[:tail])
+                pos = np.concatenate([pos, t_pos])
+            out["positions"] = torch.from_numpy(pos)
+        yield out
 
 
 def _tail_window(shards: ShardSet, start: int, tail: int,

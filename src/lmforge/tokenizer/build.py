@@ -46,11 +46,14 @@ def build_tokenizer(train_dir: str | Path, val_dir: str | Path, out_dir: str | P
         | {"all": held["all"]["chars_per_token"]},
         "byte_fallback_rate": {d: s["byte_fallback_rate"] for d, s in held["domains"].items()}
         | {"all": held["all"]["byte_fallback_rate"]},
+        "unk_rate": {d: s["unk_rate"] for d, s in held["domains"].items()}
+        | {"all": held["all"]["unk_rate"]},
         "heldout": held,
         "sample": {"chars": sum(sample.chars_per_domain.values()),
                    "chars_per_domain": sample.chars_per_domain,
                    "available_chars": sample.available_chars,
-                   "repeated_ids_skipped": sample.repeats_skipped},
+                   "repeated_ids_skipped": sample.repeats_skipped,
+                   "peak_held_chars": sample.peak_held_chars},
         "sample_seconds": round(sample_seconds, 3),
         "train_seconds": round(train_seconds, 3),
     }

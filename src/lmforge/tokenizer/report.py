@@ -14,7 +14,8 @@ from lmforge.tokenizer.corpus import TextBatch, iter_text_batches
 # Held-out characters scored at most: the val split of a large corpus is itself large,
 # and the ratios settle long before this.
 EVAL_CHARS = 20_000_000
-_COUNTS = ("docs", "chars", "bytes", "tokens", "byte_tokens", "roundtrip_failures")
+_COUNTS = ("docs", "chars", "bytes", "tokens", "byte_tokens", "unk_tokens",
+           "roundtrip_failures")
 
 
 def vocab_stats(tok: Tokenizer) -> dict[str, int]:
@@ -35,7 +36,7 @@ def vocab_stats(tok: Tokenizer) -> dict[str, int]:
 
 def heldout_stats(tok: Tokenizer, parts: Iterable[Path], num_threads: int = 0,
                   max_chars: int = EVAL_CHARS) -> dict[str, Any]:
-    """Per-domain chars/token, bytes/token, byte-fallback rate and round-trip failures."""
+    """Per-domain chars/token, bytes/token, byte-fallback and unknown rates, round trips."""
     is_byte = np.array([tok.sp.is_byte(i) for i in range(tok.vocab_size)], dtype=bool)
     acc: dict[str, dict[str, int]] = {}
     chars = 0
@@ -48,6 +49,7 @@ def heldout_stats(tok: Tokenizer, parts: Iterable[Path], num_threads: int = 0,
         flat = flatten_ids(ids)
         doc = np.repeat(np.arange(len(ids)), lengths)
         byte_tokens = np.bincount(doc, weights=is_byte[flat], minlength=len(ids))
+        unk_tokens = np.bincount(doc, weights=flat == tok.unk_id, minlength=len(ids))
         nbytes = batch.text_bytes.to_numpy(zero_copy_only=False)
         for i, (text, domain) in enumerate(zip(batch.texts, batch.domains, strict=True)):
             a = acc.setdefault(domain, dict.fromkeys(_COUNTS, 0))
@@ -56,6 +58,7 @@ def heldout_stats(tok: Tokenizer, parts: Iterable[Path], num_threads: int = 0,
             a["bytes"] += int(nbytes[i])
             a["tokens"] += int(lengths[i])
             a["byte_tokens"] += int(byte_tokens[i])
+            a["unk_tokens"] += int(unk_tokens[i])
             a["roundtrip_failures"] += decoded[i] != text
             chars += len(text)
     total = {k: sum(a[k] for a in acc.values()) for k in _COUNTS}
@@ -73,4 +76,5 @@ def _ratios(a: dict[str, int]) -> dict[str, Any]:
     return {**a,
             "chars_per_token": round(a["chars"] / tokens, 4),
             "bytes_per_token": round(a["bytes"] / tokens, 4),
-            "byte_fallback_rate": round(a["byte_tokens"] / tokens, 6)}
+            "byte_fallback_rate": round(a["byte_tokens"] / tokens, 6),
+            "unk_rate": round(a["unk_tokens"] / tokens, 6)}

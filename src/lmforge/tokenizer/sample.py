@@ -1,9 +1,15 @@
 """A seeded, domain-balanced sample of documents to train the tokenizer on.
 
 Each document gets a key from a hash of ``(seed, id)``, so the sample does not depend
-on part order or worker count. One pass keeps, per domain, the lowest-key documents
-that make up ``sample_chars`` characters; then the budget is shared out equally
-("water-filling": a domain smaller than its share gives the rest to the others).
+on part order or worker count. One streaming pass keeps, per domain, the lowest-key
+documents that reach a cap; then the budget is shared out equally ("water-filling": a
+domain smaller than its share gives the rest to the others).
+
+Memory stays flat as the corpus grows: the cap of every domain is the current water
+level -- the share each domain would get from what has been seen so far. More data only
+lowers that level, so text above it can never be chosen and is dropped at once. The
+reservoirs together hold at most ``sample_chars`` plus one (capped) document per domain,
+and the result is exactly that of keeping everything.
 """
 
 from __future__ import annotations
@@ -34,18 +40,31 @@ class _Reservoir:
     seen_chars: int = 0
     repeats: int = 0
 
-    def offer(self, key: int, text: str) -> None:
+    def offer(self, key: int, text: str) -> bool:
+        """Take the document if it ranks below the cap; say whether it was taken."""
         self.seen_chars += len(text)
         if key in self.keys:  # the same id again (an up-sampled repeat)
             self.repeats += 1
-            return
+            return False
         if self.chars >= self.cap and key > -self.heap[0][0]:
-            return
+            return False
+        # No share exceeds the cap, so a longer document is only ever used cut to it.
+        text = text[:self.cap]
         heapq.heappush(self.heap, (-key, text))
         self.keys.add(key)
         self.chars += len(text)
-        # Drop the highest key while the rest still reach the cap.
-        while self.chars - len(self.heap[0][1]) >= self.cap:
+        self.trim()
+        return True
+
+    def lower_cap(self, cap: int) -> None:
+        """Lower the cap (never raise it) and drop what falls above it."""
+        if cap < self.cap:
+            self.cap = cap
+            self.trim()
+
+    def trim(self) -> None:
+        """Drop the highest key while the rest still reach the cap."""
+        while self.heap and self.chars - len(self.heap[0][1]) >= self.cap:
             neg, dropped = heapq.heappop(self.heap)
             self.keys.discard(-neg)
             self.chars -= len(dropped)
@@ -62,17 +81,28 @@ class Sample:
     chars_per_domain: dict[str, int]
     available_chars: dict[str, int]
     repeats_skipped: int
+    peak_held_chars: int  # most characters the reservoirs held at once
 
 
 def balanced_sample(parts: Iterable[Path], sample_chars: int, seed: int) -> Sample:
     """At most ``sample_chars`` characters, shared equally across domains (see module doc)."""
     reservoirs: dict[str, _Reservoir] = {}
+    peak = 0
     for path in parts:
         for batch in iter_text_batches(path):
             for doc_id, text, domain in zip(batch.ids, batch.texts, batch.domains,
                                             strict=True):
-                res = reservoirs.setdefault(domain, _Reservoir(sample_chars))
-                res.offer(doc_key(seed, doc_id), text)
+                res = reservoirs.get(domain)
+                if res is None:
+                    # A new domain starts at the current level: it lowers it, never raises.
+                    cap = min((r.cap for r in reservoirs.values()), default=sample_chars)
+                    res = reservoirs[domain] = _Reservoir(cap)
+                if res.offer(doc_key(seed, doc_id), text):
+                    peak = max(peak, sum(r.chars for r in reservoirs.values()))
+                    level = _water_level({d: r.chars for d, r in reservoirs.items()},
+                                         sample_chars)
+                    for r in reservoirs.values():
+                        r.lower_cap(level)
     shares = _water_fill({d: r.chars for d, r in reservoirs.items()}, sample_chars)
     chosen: list[tuple[int, str]] = []
     taken: dict[str, int] = {}
@@ -91,7 +121,16 @@ def balanced_sample(parts: Iterable[Path], sample_chars: int, seed: int) -> Samp
         chars_per_domain=taken,
         available_chars={d: r.seen_chars for d, r in sorted(reservoirs.items())},
         repeats_skipped=sum(r.repeats for r in reservoirs.values()),
+        peak_held_chars=peak,
     )
+
+
+def _water_level(available: dict[str, int], total: int) -> int:
+    """The largest share any domain gets of ``total`` (``total`` if all of it fits)."""
+    shares = _water_fill(available, total)
+    if sum(shares.values()) < total:  # everything fits: no level caps anything yet
+        return total
+    return max(shares.values(), default=total)
 
 
 def _water_fill(available: dict[str, int], total: int) -> dict[str, int]:
