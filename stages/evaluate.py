@@ -83,7 +83,8 @@ def log_to_mlflow(results: dict, samples: str) -> None:
         if path.is_file():
             data = json.loads(path.read_text(encoding="utf-8"))
             run.log_dict(data, f"data/{stage}.json")
-            for domain, m in data.get("domains", {}).items():
+            domains = data.get("domains")
+            for domain, m in (domains.items() if isinstance(domains, dict) else ()):
                 if isinstance(m, dict) and "kept" in m:
                     metrics[f"data/{stage}_kept/{domain}"] = m["kept"]
     run.log_metrics(metrics, step=0)

@@ -61,7 +61,7 @@ class SplitScore:
 
 def bytes_per_token(shards: ShardSet) -> list[float]:
     """Average UTF-8 bytes per token of each domain, from the shard manifest."""
-    per_domain = shards.manifest["domains"]
+    per_domain = shards.manifest["totals"]
     out = []
     for name in shards.domain_names:
         m = per_domain.get(name, {})
