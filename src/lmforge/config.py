@@ -250,9 +250,9 @@ class TokenizerConfig:
                 f"tokenizer.vocab_size: {self.vocab_size} is too small for byte fallback "
                 "(256 byte pieces + 4 special ids)"
             )
-        if not 0.9 <= self.character_coverage <= 1.0:
+        if not 0.98 <= self.character_coverage <= 1.0:  # sentencepiece refuses less
             raise ConfigError(
-                f"tokenizer.character_coverage: {self.character_coverage} must be in [0.9, 1]"
+                f"tokenizer.character_coverage: {self.character_coverage} must be in [0.98, 1]"
             )
         _positive(self, "sample_chars", "max_sentence_length")
 
