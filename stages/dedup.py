@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lmforge.config import Params
 from lmforge.data.dedup import run_dedup
+from lmforge.data.report import print_report
 from lmforge.io import write_json
 from lmforge.stage import run_stage
 
@@ -11,6 +12,7 @@ from lmforge.stage import run_stage
 def main(params: Params) -> None:
     metrics = run_dedup(params.dedup, "data/filtered", "data/deduped")
     write_json("metrics/dedup.json", metrics)
+    print_report("dedup", metrics)
 
 
 if __name__ == "__main__":

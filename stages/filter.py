@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lmforge.config import Params
 from lmforge.data.filtering import run_filter
+from lmforge.data.report import print_report
 from lmforge.io import write_json
 from lmforge.stage import run_stage
 
@@ -11,6 +12,7 @@ from lmforge.stage import run_stage
 def main(params: Params) -> None:
     metrics = run_filter(params.filter, "data/ingested", "data/filtered")
     write_json("metrics/filter.json", metrics)
+    print_report("filter", metrics)
 
 
 if __name__ == "__main__":

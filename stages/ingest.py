@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lmforge.config import Params
 from lmforge.data.ingest import run_ingest
+from lmforge.data.report import print_report
 from lmforge.io import write_json
 from lmforge.stage import run_stage
 
@@ -11,6 +12,7 @@ from lmforge.stage import run_stage
 def main(params: Params) -> None:
     metrics = run_ingest(params.ingest, "data/ingested")
     write_json("metrics/ingest.json", metrics)
+    print_report("ingest", metrics, "data/ingested/rejects.parquet")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lmforge.config import Params
 from lmforge.data.mix import run_mix
+from lmforge.data.report import print_report
 from lmforge.io import write_json
 from lmforge.stage import run_stage
 
@@ -11,6 +12,7 @@ from lmforge.stage import run_stage
 def main(params: Params) -> None:
     metrics = run_mix(params.mix, "data/deduped", "data/mixed")
     write_json("metrics/mix.json", metrics)
+    print_report("mix", metrics)
 
 
 if __name__ == "__main__":
