@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from lmforge.config import Params
 from lmforge.io import write_json
 from lmforge.shards.build import build_shards
-from lmforge.stage import repo_root, run_stage
+from lmforge.stage import run_stage
 
 
 def main(params: Params) -> None:
-    root = repo_root()
+    root = Path()  # relative: a queued experiment runs in a temp copy of the repo
     metrics = build_shards(root / "data/mixed", root / "models/tokenizer/tokenizer.model",
                            root / "data/shards", params.shards)
     write_json(root / "metrics/shards.json", metrics)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from lmforge.config import Params
 from lmforge.io import write_json
-from lmforge.stage import repo_root, run_stage
+from lmforge.stage import run_stage
 from lmforge.tokenizer.build import build_tokenizer
 
 
 def main(params: Params) -> None:
-    root = repo_root()
+    root = Path()  # relative: a queued experiment runs in a temp copy of the repo
     metrics = build_tokenizer(root / "data/mixed/train", root / "data/mixed/val",
                               root / "models/tokenizer", params.tokenizer)
     write_json(root / "metrics/tokenizer.json", metrics)

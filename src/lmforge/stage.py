@@ -12,7 +12,12 @@ from lmforge.errors import LmforgeError
 
 
 def repo_root() -> Path:
-    """The project root: ``DVC_ROOT`` when DVC runs us, else the working directory."""
+    """The project root: ``DVC_ROOT`` when DVC runs us, else the working directory.
+
+    Only for what is shared across experiments (the MLflow store): a queued experiment
+    runs in a temp copy of the repo, while DVC_ROOT names the original. Stage inputs and
+    outputs are relative to the working directory.
+    """
     return Path(os.environ.get("DVC_ROOT") or os.getcwd()).resolve()
 
 
