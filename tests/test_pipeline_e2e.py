@@ -87,6 +87,9 @@ def pipeline(tmp_path_factory, env) -> tuple[Path, str]:
     (root / "params.yaml").write_text(yaml.safe_dump(tiny_params(), sort_keys=False),
                                       encoding="utf-8")
     run(["git", "init", "-q"], root, env)
+    # `dvc exp run` commits through its own git library: give the repo an identity.
+    run(["git", "config", "user.name", "lmforge test"], root, env)
+    run(["git", "config", "user.email", "test@lmforge.invalid"], root, env)
     run(["dvc", "init", "-q"], root, env)
     run(["dvc", "config", "core.analytics", "false"], root, env)
     run(["git", "add", "-A"], root, env)
