@@ -195,3 +195,65 @@ def test_bf16_forward_on_gpu_matches_fp32():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             low = model(idx)
     assert torch.allclose(low.float(), ref, atol=5e-2)
+
+
+# --------------------------------------------------------------------------- document mask
+
+def _positions_for(lengths: list[int], first_offset: int = 0) -> torch.Tensor:
+    """Offsets in document for documents of ``lengths`` back to back (the first continued)."""
+    parts = [torch.arange(n) + (first_offset if i == 0 else 0) for i, n in enumerate(lengths)]
+    return torch.cat(parts).unsqueeze(0)
+
+
+def test_document_attention_matches_a_loop_reference():
+    from lmforge.model.llama import document_attention
+
+    pos = torch.cat([_positions_for([5, 3, 7], first_offset=40),
+                     _positions_for([1, 14])])
+    ids, mask = document_attention(pos)
+    for b in range(2):
+        doc, start = 0, 0
+        docs, firsts = [], []
+        for t in range(pos.size(1)):
+            if pos[b, t] == 0:
+                doc, start = doc + 1, t
+            docs.append(doc)
+            firsts.append(start)
+        assert ids[b].tolist() == [t - f for t, f in enumerate(firsts)]
+        for i in range(pos.size(1)):
+            for j in range(pos.size(1)):
+                assert bool(mask[b, 0, i, j]) == (j <= i and docs[i] == docs[j])
+
+
+@pytest.mark.parametrize("n_kv_head", [None, 2])
+def test_document_mask_makes_each_document_independent(n_kv_head):
+    model = make(seed=10, n_kv_head=n_kv_head)
+    first, second = 13, 19
+    idx = torch.randint(0, VOCAB, (1, first + second))
+    pos = _positions_for([first, second], first_offset=100)  # the first one is continued
+    changed = idx.clone()
+    changed[:, :first] = torch.randint(0, VOCAB, (1, first))
+    with torch.no_grad():
+        packed = model(idx, positions=pos)
+        other_prefix = model(changed, positions=pos)
+        alone = model(idx[:, first:])  # the second document on its own, positions 0..
+        head_alone = model(idx[:, :first])
+        unmasked = model(idx)
+    assert torch.allclose(packed[:, first:], alone, atol=1e-5)
+    assert torch.allclose(packed[:, :first], head_alone, atol=1e-5)
+    assert torch.allclose(packed[:, first:], other_prefix[:, first:], atol=1e-5)
+    # Without the mask the second document does see the first.
+    assert not torch.allclose(unmasked[:, first:], alone, atol=1e-3)
+
+
+def test_document_mask_gradients_with_activation_checkpointing():
+    idx = torch.randint(0, VOCAB, (2, 24))
+    pos = torch.cat([_positions_for([10, 14]), _positions_for([24], first_offset=7)])
+    grads = []
+    for ac in (False, True):
+        model = make(seed=11).train()
+        model.activation_checkpointing = ac
+        model(idx, idx, positions=pos)[1].backward()
+        grads.append(model.layers[0].attn.wq.weight.grad.clone())
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+    assert grads[0].abs().sum() > 0

@@ -190,3 +190,16 @@ def test_exp_run_train_param_skips_data_stages(pipeline, env):
     assert load(root / "metrics" / "train.json")["resumed_from"] is None
     diff = run(["dvc", "metrics", "diff", "HEAD", "--json"], root, env)
     assert "metrics/eval.json" in diff
+
+
+def test_dvc_plots_page_carries_every_curve(pipeline, env):
+    root, _ = pipeline
+    out = root / "plots_html"
+    run(["dvc", "plots", "show", "-o", str(out)], root, env)
+    page = (out / "index.html").read_text(encoding="utf-8")
+    assert "vega" in page.lower()
+    for name in ("loss", "learning_rate", "grad_norm", "tokens_per_sec",
+                 "bits_per_byte_by_domain"):
+        assert name in page, name
+    for domain in load(root / "metrics" / "ingest.json")["domains"]:
+        assert domain in page  # the per-domain bits-per-byte bars have their data inline

@@ -9,6 +9,7 @@ from pathlib import Path
 from lmforge.errors import LmforgeError
 from lmforge.export import add_export_parser, add_import_parser
 from lmforge.shards.inspect import add_inspect_parser
+from lmforge.train.selfcheck import add_train_parser
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
     add_import_parser(sub)
     add_inspect_parser(sub)
+    add_train_parser(sub)
     return parser
 
 

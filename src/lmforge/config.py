@@ -338,6 +338,12 @@ class TrainConfig:
     eval_every: int = 200
     eval_batches: int = 20
     sample_every: int = 0  # 0 = never during training
+    # Prompts continued every sample_every steps (MLflow text artifacts); none = from BOS.
+    sample_prompts: list[str] = field(default_factory=list)
+    # Run the quick self-check (10 batches, 2 optimizer steps) before training.
+    self_check: bool = False
+    # CUDA only: find the largest micro-batch that fits; accumulation keeps the global batch.
+    probe_micro_batch: bool = False
     ckpt_every: int = 200
     light_every: int = 0  # model-only checkpoints; 0 = none
     keep_last: int = 2

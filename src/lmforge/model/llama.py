@@ -2,7 +2,9 @@
 
 Pre-norm blocks, no biases, optional tied embeddings. Attention goes through
 ``F.scaled_dot_product_attention`` so PyTorch picks the fastest kernel (flash /
-memory-efficient on CUDA, a fused kernel on CPU).
+memory-efficient on CUDA, a fused kernel on CPU). With ``positions`` (each token's offset
+in its document, from the loader) attention stops at document boundaries and RoPE
+positions restart at each document, so a packed window trains like separate documents.
 
 RoPE uses the "rotate half" layout (the first and second half of each head dimension
 form the pairs), the one Hugging Face's ``LlamaForCausalLM`` uses, so q/k weights export
@@ -51,10 +53,29 @@ def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, H, T, D) queries or keys by their position's angles (cos/sin: (T, D))."""
+    """Rotate queries or keys (last dim = head_dim) by angles; cos/sin broadcast to ``x``."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
+
+
+def document_attention(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-document position ids and attention mask from ``positions`` (B, T).
+
+    ``positions`` is each token's offset in its document (0 at a document's first token).
+    Returns ``(position_ids, mask)``: ids that restart at 0 at every document start in the
+    window (a document continued from the previous window starts at 0 too: RoPE only
+    sees relative positions, and this keeps ids below ``seq_len``), and a (B, 1, T, T)
+    boolean mask, True where query i may attend to key j: same document and j <= i.
+    """
+    T = positions.size(-1)
+    ar = torch.arange(T, device=positions.device)
+    starts = positions == 0
+    doc = starts.cumsum(-1)  # document number within the window
+    first = torch.where(starts, ar, 0).cummax(-1).values  # index of the document's start
+    same_doc = doc.unsqueeze(-1) == doc.unsqueeze(-2)
+    causal = ar.unsqueeze(-1) >= ar
+    return ar - first, (same_doc & causal).unsqueeze(1)
 
 
 @dataclass
@@ -92,14 +113,22 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_head * self.head_dim, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` (B, T, C); cos/sin (T, 1, D) or (B, T, 1, D); ``mask`` (B, 1, T, T) bool."""
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        causal = True
+        H, KV, D = self.n_head, self.n_kv_head, self.head_dim
+        # One GEMM for q, k and v (a wide matmul beats three narrow ones), and RoPE on q
+        # and k together. The weights stay three parameters, so checkpoints, safetensors
+        # and the Hugging Face export keep their names.
+        w = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])
+        qkv = F.linear(x, w).view(B, T, H + 2 * KV, D)
+        qk = apply_rope(qkv[:, :, :H + KV], cos, sin)
+        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
+        v = qkv[:, :, H + KV:].transpose(1, 2)
+        causal = mask is None
         if cache is not None:
+            if mask is not None:
+                raise ValueError("KVCache: document masks are for training, not generation")
             start = cache.pos
             cache.keys[self.layer][:, :, start:start + T] = k
             cache.values[self.layer][:, :, start:start + T] = v
@@ -115,7 +144,8 @@ class Attention(nn.Module):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0)
+            q, k, v, attn_mask=mask, is_causal=causal,
+            dropout_p=self.dropout if self.training else 0.0)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
@@ -130,7 +160,9 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(hidden, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        # Gate and up projections as one GEMM; the weights stay separate parameters.
+        gate, up = F.linear(x, torch.cat([self.w1.weight, self.w3.weight])).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -145,8 +177,8 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, cache))
+                cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, cache, mask))
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
@@ -197,20 +229,31 @@ class Llama(nn.Module):
         return 6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                cache: KVCache | None = None, positions: torch.Tensor | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits (B, T, V), and the loss when ``targets`` are given.
+
+        ``positions`` (B, T): each token's offset in its document (the loader's
+        ``return_doc_info``); given, attention stops at document boundaries.
+        """
         _, T = idx.shape
         start = cache.pos if cache is not None else 0
         if start + T > self.config.seq_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds seq_len "
                              f"{self.config.seq_len}")
-        cos = self.rope_cos[start:start + T]
-        sin = self.rope_sin[start:start + T]
+        mask = None
+        if positions is not None:
+            ids, mask = document_attention(positions)
+            cos, sin = self.rope_cos[ids].unsqueeze(2), self.rope_sin[ids].unsqueeze(2)
+        else:  # (T, 1, D): broadcast over batch and heads of (B, T, H, D)
+            cos = self.rope_cos[start:start + T].unsqueeze(1)
+            sin = self.rope_sin[start:start + T].unsqueeze(1)
         x = self.tok_embeddings(idx)
         for block in self.layers:
             if self.activation_checkpointing and self.training and cache is None:
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, None, mask, use_reentrant=False)
             else:
-                x = block(x, cos, sin, cache)
+                x = block(x, cos, sin, cache, mask)
         if cache is not None:
             cache.pos += T
         logits = self.lm_head(self.norm(x))

@@ -30,6 +30,9 @@ _NAME = re.compile(r"^step-(\d+)\.pt$")
 NON_RUN_KEYS = frozenset({
     "log_every", "eval_every", "eval_batches", "sample_every", "ckpt_every",
     "light_every", "keep_last", "num_threads", "max_bad_steps", "nproc",
+    "sample_prompts", "self_check",
+    # Splits the same per-rank batch differently; the loader hands out the same windows.
+    "probe_micro_batch",
 })
 _REQUIRED = ("format", "fingerprint", "step", "model", "optimizer", "ranks", "progress")
 

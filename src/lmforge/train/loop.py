@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from lmforge.config import Params
-from lmforge.errors import ConfigError, InputError, LmforgeError
+from lmforge.errors import InputError, LmforgeError
 from lmforge.model.generate import generate
 from lmforge.model.llama import IGNORE_INDEX, Llama
 from lmforge.model.saved import save_weights
@@ -25,6 +25,7 @@ from lmforge.train import checkpoint as ckpt
 from lmforge.train.distributed import DistEnv, all_gather_objects
 from lmforge.train.optim import build_optimizer
 from lmforge.train.precision import Precision, resolve_precision
+from lmforge.train.probe import probe_micro_batch
 from lmforge.train.schedule import lr_at
 from lmforge.train.telemetry import NullRun, format_duration, memory_mb, open_run, peak_flops
 
@@ -69,10 +70,15 @@ class _Interval:
 
 
 def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer_sha256: str,
-          env: DistEnv, track: bool = True, prompt_ids: list[int] | None = None,
+          env: DistEnv, track: bool = True,
+          prompts: list[tuple[str, list[int]]] | None = None,
           decode: Callable[[list[int]], str] | None = None,
           log: Callable[[str], None] = print) -> TrainResult:
-    """Train (or resume) the run ``params`` defines; rank 0 logs and writes checkpoints."""
+    """Train (or resume) the run ``params`` defines; rank 0 logs and writes checkpoints.
+
+    ``prompts`` are (text, token ids) pairs continued every ``train.sample_every`` steps
+    and logged as MLflow text artifacts (``decode`` turns ids back into text).
+    """
     cfg, mcfg = params.train, params.model
     device = env.device
     checkpoint_dir = Path(checkpoint_dir)
@@ -80,9 +86,6 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     if int(data.val.vocab_size) != vocab:
         raise InputError(f"train shards have vocab_size {vocab} but val shards "
                          f"{data.val.vocab_size}; rebuild the shards")
-    if mcfg.doc_mask:
-        raise ConfigError("model.doc_mask: document-masked attention is not implemented in "
-                          "the train stage yet; set it to false")
     log = log if env.is_main else _silent
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
@@ -92,8 +95,13 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     optimizer = build_optimizer(model, cfg, device)
     precision = resolve_precision(cfg.precision, device)
     scaler = precision.grad_scaler()
-    loader = data.make_loader(data.train, mcfg.seq_len, cfg.micro_batch_size, cfg.seed,
-                              rank=env.rank, world_size=env.world_size)
+    micro_batch, accum = cfg.micro_batch_size, cfg.grad_accum_steps
+    if cfg.probe_micro_batch:
+        micro_batch, accum = probe_micro_batch(model, optimizer, precision, mcfg, cfg, vocab,
+                                               device, log)
+    doc_info = {"return_doc_info": True} if mcfg.doc_mask else {}
+    loader = data.make_loader(data.train, mcfg.seq_len, micro_batch, cfg.seed,
+                              rank=env.rank, world_size=env.world_size, **doc_info)
     fp = ckpt.fingerprint(mcfg, cfg, env.world_size, data.train.manifest, data.val.manifest,
                           tokenizer_sha256)
     torch.manual_seed(cfg.seed + env.rank)  # per-rank dropout streams
@@ -117,7 +125,7 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
         step_model = torch.compile(step_model)
 
     run = open_run(params, progress.run_id) if (track and env.is_main) else NullRun()
-    tokens_per_step = cfg.micro_batch_size * mcfg.seq_len * cfg.grad_accum_steps * env.world_size
+    tokens_per_step = micro_batch * mcfg.seq_len * accum * env.world_size
     flops_per_step = model.flops_per_token() * tokens_per_step
     peak = peak_flops(device, precision.name)
     if env.is_main:
@@ -133,8 +141,7 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss_val, grad_norm = _optimizer_step(step_model, ddp, model, optimizer, scaler,
-                                                  precision, loader, cfg.grad_accum_steps,
-                                                  cfg.grad_clip, env)
+                                                  precision, loader, accum, cfg.grad_clip, env)
             step += 1
             tokens_seen += tokens_per_step
             if math.isfinite(loss_val) and math.isfinite(grad_norm):
@@ -165,7 +172,7 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
                 run.log_metrics({"val_loss": val}, step)
                 log(f"train: step {step}: val_loss {val:.4f}")
             if env.is_main and cfg.sample_every and step % cfg.sample_every == 0:
-                _log_sample(model, prompt_ids, decode, cfg.seed, step, run)
+                log_samples(model, prompts or [], decode, cfg.seed, step, run)
             if cfg.light_every and step % cfg.light_every == 0 and env.is_main:
                 # Model-only snapshots, kept per run (by fingerprint) and never pruned.
                 save_weights(model, checkpoint_dir / "light" / fp[:12]
@@ -263,15 +270,16 @@ def _optimizer_step(step_model: torch.nn.Module, ddp: DistributedDataParallel | 
     """
     loss_sum = torch.zeros((), device=env.device)
     for micro in range(accum):
-        inputs, targets = loader.next_batch()
-        inputs = torch.as_tensor(inputs).to(env.device, non_blocking=True)
-        targets = torch.as_tensor(targets).to(env.device, non_blocking=True)
+        # (inputs, targets) or, with document masking, (inputs, targets, positions).
+        batch = [torch.as_tensor(t).to(env.device, non_blocking=True)
+                 for t in loader.next_batch()]
+        extra = {"positions": batch[2]} if len(batch) > 2 else {}
         # Gradients are all-reduced only on the last micro-batch.
         sync = (ddp.no_sync() if ddp is not None and micro < accum - 1
                 else contextlib.nullcontext())
         with sync:
             with precision.autocast():
-                _, loss = step_model(inputs, targets)
+                _, loss = step_model(batch[0], batch[1], **extra)
             scaler.scale(loss / accum).backward()
         loss_sum += loss.detach().float()
     scaler.unscale_(optimizer)
@@ -296,15 +304,18 @@ def evaluate_loss(model: Llama, data: TrainData, params: Params, precision: Prec
     """Token-weighted mean val loss over ``train.eval_batches`` deterministic batches."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=env.device)
+    doc_info = {"return_doc_info": True} if params.model.doc_mask else {}
     batches = data.eval_batches(data.val, params.model.seq_len, params.train.micro_batch_size,
-                                max_batches=params.train.eval_batches)
+                                max_batches=params.train.eval_batches, **doc_info)
     for i, batch in enumerate(batches):
         if i % env.world_size != env.rank:  # ranks split the batches, then sum
             continue
         inputs = torch.as_tensor(batch["input"]).to(env.device)
         targets = torch.as_tensor(batch["target"]).to(env.device)
+        positions = batch.get("positions")
         with precision.autocast():
-            logits = model(inputs)
+            logits = model(inputs, positions=None if positions is None
+                           else torch.as_tensor(positions).to(env.device))
         # Plain cross-entropy, so val loss stays comparable when label smoothing is on.
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                ignore_index=IGNORE_INDEX, reduction="sum")
@@ -341,15 +352,25 @@ def _log_step(step: int, lr: float, grad_norm: float, interval: _Interval, skipp
             "tokens_per_sec": tps}
 
 
-def _log_sample(model: Llama, prompt_ids: list[int] | None,
+def log_samples(model: Llama, prompts: list[tuple[str, list[int]]],
                 decode: Callable[[list[int]], str] | None, seed: int, step: int,
-                run: Any) -> None:
-    """Attach an unconditional sample to the run (own generator: training RNG untouched)."""
-    if not prompt_ids or decode is None:
-        return
-    gen = torch.Generator().manual_seed(seed)
-    ids = list(generate(model, prompt_ids, 64, temperature=0.8, top_k=50, generator=gen))
-    run.log_text(decode(ids), f"samples/step-{step:06d}.txt")
+                run: Any, max_new_tokens: int = 64) -> str | None:
+    """Continue each fixed prompt; attach them as ``samples/step-NNNNNN.txt``; return the text.
+
+    Each prompt gets its own generator seeded with ``seed``, so a prompt's samples differ
+    between steps only because the weights did, and the training RNG is untouched.
+    """
+    if not prompts or decode is None:
+        return None
+    parts = []
+    for text, ids in prompts:
+        gen = torch.Generator().manual_seed(seed)
+        out = list(generate(model, ids, max_new_tokens, temperature=0.8, top_k=50,
+                            generator=gen))
+        parts.append(f"### {text or '(unconditional)'}\n{text}{decode(out)}\n")
+    body = f"step {step}\n\n" + "\n".join(parts)
+    run.log_text(body, f"samples/step-{step:06d}.txt")
+    return body
 
 
 def _load_resume_state(directory: Path, fp: str, env: DistEnv,

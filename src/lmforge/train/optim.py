@@ -7,6 +7,9 @@ from torch import nn
 
 from lmforge.config import TrainConfig
 
+# Devices with a fused AdamW kernel in torch >= 2.4.
+_FUSED_ADAMW_DEVICES = ("cuda", "cpu")
+
 
 def param_groups(model: nn.Module, weight_decay: float,
                  decay_embeddings: bool = False) -> list[dict]:
@@ -31,7 +34,12 @@ def param_groups(model: nn.Module, weight_decay: float,
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig,
                     device: torch.device) -> torch.optim.AdamW:
-    """AdamW from ``cfg`` (fused kernel on CUDA: one launch for all parameters)."""
+    """AdamW from ``cfg``, with the fused kernel on CUDA and CPU.
+
+    Fused, the whole update is one pass over each parameter's memory; on a CPU the
+    default per-op path makes ~10 passes and took 7.6x longer (bench/bench_train.py).
+    """
     groups = param_groups(model, cfg.weight_decay, cfg.decay_embeddings)
+    fused = device.type in _FUSED_ADAMW_DEVICES or None
     return torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(cfg.beta1, cfg.beta2),
-                             eps=cfg.eps, fused=device.type == "cuda" or None)
+                             eps=cfg.eps, fused=fused)

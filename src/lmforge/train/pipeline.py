@@ -53,15 +53,41 @@ def run_train_stage(params: Params, paths: TrainPaths, module: str = "stages.tra
                     f"{where}: tokenized with tokenizer "
                     f"{shards.tokenizer_sha256[:12]}, but {paths.tokenizer} is "
                     f"{tokenizer_sha[:12]}; rerun the shards stage")
+        if params.train.self_check and env.is_main:
+            _run_self_check(params, data, env)
         special = special_ids(paths.tokenizer)
-        decode = _decoder(paths.tokenizer)
-        start = special["bos"] if special["bos"] >= 0 else special["eos"]
         result = train(params, data, paths.checkpoints, tokenizer_sha, env,
-                       prompt_ids=[start] if start >= 0 else None, decode=decode)
+                       prompts=sample_prompts(paths.tokenizer, params.train.sample_prompts,
+                                              special),
+                       decode=_decoder(paths.tokenizer))
         if env.is_main:
             write_outputs(result, paths, special, tokenizer_sha)
     finally:
         distributed.teardown()
+
+
+def _run_self_check(params: Params, data: Any, env: Any) -> None:
+    """The quick self-check before training; a failure stops the stage with one line."""
+    from lmforge.train.selfcheck import self_check
+
+    report = self_check(params, data, env.device)
+    print(report.table(), flush=True)
+    if not report.ok:
+        raise LmforgeError(report.error_line())
+
+
+def sample_prompts(tokenizer: Path, texts: list[str],
+                   special: dict[str, int]) -> list[tuple[str, list[int]]]:
+    """(text, ids) per ``train.sample_prompts``, each after BOS; none = BOS alone."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    start = special["bos"] if special["bos"] >= 0 else special["eos"]
+    head = [start] if start >= 0 else []
+    prompts = [(t, head + sp.encode(t)) for t in texts]
+    if not prompts and head:
+        prompts = [("", head)]
+    return [(t, ids) for t, ids in prompts if ids]
 
 
 def special_ids(tokenizer: Path) -> dict[str, int]:

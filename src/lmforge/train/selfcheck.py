@@ -1,0 +1,301 @@
+"""The quick self-check: ten batches and two optimizer steps, before a long run.
+
+``lmforge train --self-check`` (or ``train.self_check: true``) runs it on the real shards,
+model and optimizer: batch shapes and token range, targets = inputs shifted by one,
+ignore_index, the causal (and document) mask, the loss at initialisation against
+ln(vocab), finite loss and gradients, and two optimizer steps that move the weights and
+lower the loss on a repeated batch. It takes seconds and catches the shape, mask and
+dtype mistakes that otherwise show up hours into a run as a bad loss curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmforge.config import Params
+from lmforge.errors import LmforgeError
+from lmforge.model.llama import IGNORE_INDEX, Llama
+from lmforge.train.distributed import DistEnv, resolve_device
+from lmforge.train.optim import build_optimizer
+from lmforge.train.precision import resolve_precision
+
+NUM_BATCHES = 10
+LOSS_TOLERANCE = 0.5  # |initial loss - ln(vocab)|, nats
+
+
+@dataclass
+class Check:
+    """One check's outcome."""
+
+    name: str
+    ok: bool
+    detail: str
+    seconds: float
+
+
+@dataclass
+class SelfCheckReport:
+    """Every check, in the order they ran (a failed check stops the rest)."""
+
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def failed(self) -> Check | None:
+        """The first failed check, or None."""
+        return next((c for c in self.checks if not c.ok), None)
+
+    def table(self) -> str:
+        """A short fixed-width table: check, result, time, detail."""
+        width = max(len(c.name) for c in self.checks) if self.checks else 5
+        lines = [f"{'check':<{width}}  result  {'time':>7}  detail"]
+        for c in self.checks:
+            lines.append(f"{c.name:<{width}}  {'ok' if c.ok else 'FAIL':<6}  "
+                         f"{c.seconds:6.2f}s  {c.detail}")
+        return "\n".join(lines)
+
+    def error_line(self) -> str:
+        """One line naming the failed check (for the exit message)."""
+        c = self.failed
+        return "" if c is None else f"train self-check failed: {c.name}: {c.detail}"
+
+
+class _Repeat:
+    """A loader that hands out the same batch every time."""
+
+    def __init__(self, batch: tuple[torch.Tensor, ...]) -> None:
+        self.batch = batch
+
+    def next_batch(self) -> tuple[torch.Tensor, ...]:
+        return self.batch
+
+
+def self_check(params: Params, data: Any = None, device: torch.device | str | None = None
+               ) -> SelfCheckReport:
+    """Run every check on ``data`` (a ``TrainData``; default: the shards under the cwd)."""
+    from lmforge.train.loop import _optimizer_step, open_shard_data
+    from lmforge.train.pipeline import TrainPaths
+
+    mcfg, cfg = params.model, params.train
+    if data is None:
+        paths = TrainPaths()
+        data = open_shard_data(paths.train_shards, paths.val_shards)
+    device = resolve_device(str(device) if device is not None else cfg.device)
+    env = DistEnv(0, 1, 0, device)
+    precision = resolve_precision(cfg.precision, device)
+    vocab = int(data.train.vocab_size)
+    report = SelfCheckReport()
+    state: dict[str, Any] = {}
+
+    def run(name: str, check: Callable[[], str]) -> bool:
+        t0 = time.perf_counter()
+        try:
+            detail, ok = check(), True
+        except _Failed as e:
+            detail, ok = str(e), False
+        except Exception as e:  # any crash is a failed check, named, in one line
+            first = str(e).splitlines()[0] if str(e) else ""
+            detail, ok = f"{type(e).__name__}: {first}", False
+        report.checks.append(Check(name, ok, detail, time.perf_counter() - t0))
+        return ok
+
+    def batches() -> str:
+        doc_info = {"return_doc_info": True} if mcfg.doc_mask else {}
+        loader = data.make_loader(data.train, mcfg.seq_len, cfg.micro_batch_size, cfg.seed,
+                                  **doc_info)
+        got = [tuple(torch.as_tensor(t) for t in loader.next_batch())
+               for _ in range(NUM_BATCHES)]
+        want = (cfg.micro_batch_size, mcfg.seq_len)
+        for i, b in enumerate(got):
+            for t in b:
+                _expect(tuple(t.shape) == want, f"batch {i}: shape {tuple(t.shape)}, "
+                        f"expected {want}")
+                _expect(t.dtype == torch.int64, f"batch {i}: dtype {t.dtype}, expected int64")
+            lo, hi = int(b[0].min()), int(b[0].max())
+            _expect(lo >= 0 and hi < vocab, f"batch {i}: token ids {lo}..{hi} outside "
+                    f"[0, {vocab})")
+        state["batches"] = [tuple(t.to(device) for t in b) for b in got]
+        return f"{NUM_BATCHES} x {want}, ids < {vocab}"
+
+    def shifted() -> str:
+        for i, (x, y, *_) in enumerate(state["batches"]):
+            _expect(torch.equal(x[:, 1:], y[:, :-1]),
+                    f"batch {i}: targets are not the inputs shifted by one token")
+        return "targets[t] == inputs[t + 1]"
+
+    def build() -> str:
+        torch.manual_seed(cfg.seed)
+        model = Llama(mcfg, vocab).to(device)
+        model.label_smoothing, model.z_loss = cfg.label_smoothing, cfg.z_loss
+        state["model"] = model
+        return f"{model.num_params():,} parameters, {precision.name} on {device}"
+
+    def initial_loss() -> str:
+        model = state["model"].eval()
+        with torch.no_grad(), precision.autocast():
+            losses = [float(model(b[0], b[1], positions=_positions(b))[1])
+                      for b in state["batches"]]
+        loss, expected = sum(losses) / len(losses), math.log(vocab)
+        _expect(math.isfinite(loss), f"loss {loss} is not finite")
+        _expect(abs(loss - expected) < LOSS_TOLERANCE,
+                f"mean loss {loss:.3f} is not within {LOSS_TOLERANCE} of ln(vocab) = "
+                f"{expected:.3f}: check the initialisation and the loss")
+        return f"{loss:.3f} vs ln({vocab}) = {expected:.3f}"
+
+    def ignore_index() -> str:
+        model = state["model"]
+        x, y, *_ = state["batches"][0]
+        with torch.no_grad(), precision.autocast():
+            logits = model(x, positions=_positions(state["batches"][0]))
+        half = y.size(1) // 2
+        masked = y.clone()
+        masked[:, :half] = IGNORE_INDEX
+        got = float(model.loss(logits, masked))
+        ref = float(model.loss(logits[:, half:].contiguous(), y[:, half:]))
+        _expect(math.isclose(got, ref, rel_tol=1e-4, abs_tol=1e-5),
+                f"loss with half the targets = {IGNORE_INDEX} is {got:.5f}, the loss on the "
+                f"other half alone {ref:.5f}: ignored targets still count")
+        return f"targets = {IGNORE_INDEX} do not count"
+
+    def causal() -> str:
+        model = state["model"]
+        b = state["batches"][0]
+        x, cut = b[0][:1], b[0].size(1) // 2
+        changed = x.clone()
+        changed[:, cut:] = (changed[:, cut:] + 1) % vocab
+        pos = _positions(b)
+        pos = None if pos is None else pos[:1]
+        with torch.no_grad(), precision.autocast():
+            a, c = model(x, positions=pos).float(), model(changed, positions=pos).float()
+        drift = float((a[:, :cut] - c[:, :cut]).abs().max())
+        _expect(drift < 1e-3 * max(1.0, float(a.abs().max())),
+                f"changing tokens from position {cut} on moved earlier logits by {drift:.2e}: "
+                "attention sees the future")
+        _expect(not torch.allclose(a[:, cut:], c[:, cut:]),
+                "changing tokens did not change their own logits")
+        return f"logits before position {cut} unchanged by later tokens"
+
+    def document_mask() -> str:
+        model = state["model"]
+        for b in state["batches"]:
+            rows, cols = torch.nonzero(b[2][:, 1:] == 0, as_tuple=True)
+            if len(rows):
+                break
+        else:
+            return "skipped: no document boundary in the ten batches"
+        row, start = int(rows[0]), int(cols[0]) + 1
+        x, pos = b[0][row:row + 1], b[2][row:row + 1]
+        changed = x.clone()
+        changed[:, :start] = (changed[:, :start] + 1) % vocab
+        with torch.no_grad(), precision.autocast():
+            a, c = model(x, positions=pos).float(), model(changed, positions=pos).float()
+        drift = float((a[:, start:] - c[:, start:]).abs().max())
+        _expect(drift < 1e-3 * max(1.0, float(a.abs().max())),
+                f"changing the previous document moved a document's logits by {drift:.2e}: "
+                "attention crosses document boundaries")
+        return f"a document starting at {start} ignores the one before"
+
+    def finite_grads() -> str:
+        model = state["model"].train()
+        b = state["batches"][0]
+        with precision.autocast():
+            _, loss = model(b[0], b[1], positions=_positions(b))
+        loss.backward()
+        value = float(loss.detach())
+        _expect(math.isfinite(value), f"training loss {value} is not finite")
+        for name, p in model.named_parameters():
+            _expect(p.grad is not None, f"{name} gets no gradient")
+            _expect(bool(torch.isfinite(p.grad).all()), f"{name} has a non-finite gradient")
+        model.zero_grad(set_to_none=True)
+        return "loss and every parameter's gradient finite"
+
+    def two_steps() -> str:
+        model = state["model"].train()
+        optimizer = build_optimizer(model, cfg, device)
+        scaler = precision.grad_scaler()
+        before = [p.detach().clone() for p in model.parameters()]
+        loader = _Repeat(state["batches"][0])
+        losses = []
+        for _ in range(2):  # at max_lr: warmup's first steps can be too small to see
+            loss, norm = _optimizer_step(model, None, model, optimizer, scaler, precision,
+                                         loader, 1, cfg.grad_clip, env)
+            _expect(math.isfinite(loss) and math.isfinite(norm),
+                    f"step loss {loss} / grad_norm {norm} not finite")
+            losses.append(loss)
+        moved = max(float((p.detach() - b).abs().max())
+                    for p, b in zip(model.parameters(), before, strict=True))
+        _expect(moved > 0, "two optimizer steps left every weight unchanged")
+        b = state["batches"][0]
+        with torch.no_grad(), precision.autocast():
+            after = float(model.eval()(b[0], b[1], positions=_positions(b))[1])
+        _expect(after < losses[0], f"loss on the repeated batch went {losses[0]:.4f} -> "
+                f"{after:.4f} after two steps at lr {cfg.max_lr:g}")
+        return f"loss on a repeated batch {losses[0]:.4f} -> {after:.4f}"
+
+    steps: list[tuple[str, Callable[[], str]]] = [
+        ("batch shapes", batches), ("targets shifted", shifted), ("model", build),
+        ("initial loss", initial_loss), ("ignore_index", ignore_index),
+        ("causal mask", causal)]
+    if mcfg.doc_mask:
+        steps.append(("document mask", document_mask))
+    steps += [("finite loss/grads", finite_grads), ("two optimizer steps", two_steps)]
+    for name, check in steps:
+        if not run(name, check):
+            break
+    return report
+
+
+class _Failed(Exception):
+    """A check's expectation did not hold (its message is the report's detail)."""
+
+
+def _expect(cond: bool, message: str) -> None:
+    if not cond:
+        raise _Failed(message)
+
+
+def _positions(batch: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    return batch[2] if len(batch) > 2 else None
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    """``lmforge train``: the train stage, or with ``--self-check`` only the self-check."""
+    from lmforge.config import load_params
+    from lmforge.stage import repo_root
+    from lmforge.train.pipeline import TrainPaths, run_train_stage
+
+    params = load_params(args.params)
+    if args.self_check:
+        report = self_check(params)
+        print(report.table())
+        if not report.ok:
+            raise LmforgeError(report.error_line())
+        return
+    run_train_stage(params, TrainPaths().under(repo_root()))
+
+
+def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``train [--self-check] [--params params.yaml]``."""
+    p = subparsers.add_parser(
+        "train", help="train the model (the train stage), or --self-check it in seconds")
+    p.add_argument("--self-check", action="store_true",
+                   help="10 batches and 2 optimizer steps: shapes, masks, initial loss, "
+                        "finiteness; exits non-zero naming the failed check")
+    p.add_argument("--params", default="params.yaml", type=Path,
+                   help="params file (default: params.yaml)")
+    p.set_defaults(func=cmd_train)
+    return p
