@@ -77,12 +77,16 @@ def score_split(model: torch.nn.Module, shards: ShardSet, seq_len: int, batch_si
     model.eval()
     score = SplitScore(shards.domain_names, bytes_per_token(shards))
     device = torch.device(device)
-    for batch in eval_batches(shards, seq_len, batch_size, max_batches=max_batches):
+    # A model trained with document masking is scored with it too.
+    doc_mask = bool(getattr(getattr(model, "config", None), "doc_mask", False))
+    for batch in eval_batches(shards, seq_len, batch_size, max_batches=max_batches,
+                              return_doc_info=doc_mask):
         x = batch["input"].to(device)
         y = batch["target"].to(device)
+        extra = {"positions": batch["positions"].to(device)} if doc_mask else {}
         with torch.autocast(device.type, dtype=autocast_dtype or torch.float32,
                             enabled=autocast_dtype is not None):
-            logits = model(x)
+            logits = model(x, **extra)
         logits = logits[0] if isinstance(logits, tuple) else logits
         nats = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none",
                                ignore_index=-100)
