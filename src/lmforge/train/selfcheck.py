@@ -11,6 +11,7 @@ dtype mistakes that otherwise show up hours into a run as a bad loss curve.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -222,12 +223,16 @@ def self_check(params: Params, data: Any = None, device: torch.device | str | No
 
     def two_steps() -> str:
         model = state["model"].train()
-        optimizer = build_optimizer(model, cfg, device)
+        # A small lr: Adam's first steps move every weight by about lr whatever its
+        # gradient's size, so at a large max_lr two steps can overshoot and raise the loss
+        # of a healthy model; at 1e-4 they must lower it unless the gradients are wrong.
+        probe_lr = min(cfg.max_lr, 1e-4)
+        optimizer = build_optimizer(model, dataclasses.replace(cfg, max_lr=probe_lr), device)
         scaler = precision.grad_scaler()
         before = [p.detach().clone() for p in model.parameters()]
         loader = _Repeat(state["batches"][0])
         losses = []
-        for _ in range(2):  # at max_lr: warmup's first steps can be too small to see
+        for _ in range(2):
             loss, norm = _optimizer_step(model, None, model, optimizer, scaler, precision,
                                          loader, 1, cfg.grad_clip, env)
             _expect(math.isfinite(loss) and math.isfinite(norm),
@@ -240,7 +245,7 @@ def self_check(params: Params, data: Any = None, device: torch.device | str | No
         with torch.no_grad(), precision.autocast():
             after = float(model.eval()(b[0], b[1], positions=_positions(b))[1])
         _expect(after < losses[0], f"loss on the repeated batch went {losses[0]:.4f} -> "
-                f"{after:.4f} after two steps at lr {cfg.max_lr:g}")
+                f"{after:.4f} after two steps at lr {probe_lr:g}")
         return f"loss on a repeated batch {losses[0]:.4f} -> {after:.4f}"
 
     steps: list[tuple[str, Callable[[], str]]] = [
