@@ -12,7 +12,7 @@ setup:
 demo: setup
 	dvc repro
 	@echo
-	@python -m lmforge.evaluate.summary
+	@python -m lmforge.summary
 	@echo "All metrics: dvc metrics show; samples: metrics/samples.md; curves: dvc plots show"
 	@echo "MLflow UI: mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db  (then open http://127.0.0.1:5000)"
 

@@ -1,4 +1,4 @@
-"""A short console summary of a pipeline run, from the metrics files (``make demo`` ends with it)."""
+"""A short console summary of a pipeline run, from the metrics files (`make demo` ends with it)."""
 
 from __future__ import annotations
 
