@@ -154,6 +154,8 @@ def test_train_and_evaluate_outputs(pipeline):
     assert train["steps"] == 24
     tsv = (root / "plots" / "train.tsv").read_text(encoding="utf-8").splitlines()
     assert tsv[0].split("\t")[:2] == ["step", "loss"]
+    val = (root / "plots" / "val.tsv").read_text(encoding="utf-8").splitlines()
+    assert val[0] == "step\tval_loss" and len(val) >= 2
     assert len(tsv) > 1 + 24 // 4 - 1
     ev = load(root / "metrics" / "eval.json")
     assert math.isfinite(ev["val"]["loss"])

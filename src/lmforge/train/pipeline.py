@@ -14,7 +14,10 @@ from lmforge.shards.format import file_sha256
 from lmforge.train import distributed
 from lmforge.train.loop import TrainResult, open_shard_data, train
 
-TSV_COLUMNS = ("step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_sec")
+TSV_COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens_per_sec")
+# Val loss is measured every eval_every steps only: a file of its own, so that plots draw
+# it as a line through the measured points instead of dropping to zero in between.
+VAL_TSV_COLUMNS = ("step", "val_loss")
 
 
 @dataclass
@@ -28,6 +31,7 @@ class TrainPaths:
     final: Path = Path("models/final")
     metrics: Path = Path("metrics/train.json")
     plots: Path = Path("plots/train.tsv")
+    val_plots: Path = Path("plots/val.tsv")
 
     def under(self, root: Path) -> TrainPaths:
         """The same layout below ``root``."""
@@ -106,19 +110,21 @@ def _decoder(tokenizer: Path) -> Any:
 
 def write_outputs(result: TrainResult, paths: TrainPaths, special: dict[str, int],
                   tokenizer_sha: str) -> None:
-    """models/final (+ run.json), metrics/train.json and plots/train.tsv."""
+    """models/final (+ run.json), metrics/train.json, plots/train.tsv and plots/val.tsv."""
     save_model(result.model, paths.final, paths.tokenizer, special_ids=special,
                tokenizer_sha256=tokenizer_sha, fingerprint=result.fingerprint)
     write_json(paths.final / "run.json", {"mlflow_run_id": result.run_id})
     write_json(paths.metrics, result.metrics)
     write_text(paths.plots, history_tsv(result.history))
+    write_text(paths.val_plots, history_tsv(
+        [r for r in result.history if r.get("val_loss") is not None], VAL_TSV_COLUMNS))
 
 
-def history_tsv(rows: list[dict[str, Any]]) -> str:
-    """The loss curve as TSV; a value that was not measured at a step is left blank."""
-    lines = ["\t".join(TSV_COLUMNS)]
+def history_tsv(rows: list[dict[str, Any]], columns: tuple[str, ...] = TSV_COLUMNS) -> str:
+    """The curves as TSV, one row per logged step."""
+    lines = ["\t".join(columns)]
     for row in rows:
-        lines.append("\t".join(_cell(row.get(c)) for c in TSV_COLUMNS))
+        lines.append("\t".join(_cell(row.get(c)) for c in columns))
     return "\n".join(lines) + "\n"
 
 

@@ -280,7 +280,6 @@ def _positions(batch: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
 def cmd_train(args: argparse.Namespace) -> None:
     """``lmforge train``: the train stage, or with ``--self-check`` only the self-check."""
     from lmforge.config import load_params
-    from lmforge.stage import repo_root
     from lmforge.train.pipeline import TrainPaths, run_train_stage
 
     params = load_params(args.params)
@@ -290,7 +289,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         if not report.ok:
             raise LmforgeError(report.error_line())
         return
-    run_train_stage(params, TrainPaths().under(repo_root()))
+    run_train_stage(params, TrainPaths())
 
 
 def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
