@@ -148,6 +148,12 @@ def test_training_reduces_loss_and_writes_history(inputs, tmp_path):
     assert result.metrics["val_loss"] < np.log(300)
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-000035.pt",
                                                                    "step-000040.pt"]
+    # A checkpoint carries its model config: `lmforge generate --model <ckpt>` loads it.
+    model, config = load_model(tmp_path / "ck" / "step-000040.pt")
+    assert config["step"] == 40 and config["vocab_size"] == 300
+    final = result.model.state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, final[name]), name
 
 
 def test_non_finite_steps_are_skipped_then_stop(inputs, tmp_path, monkeypatch):

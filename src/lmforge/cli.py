@@ -23,8 +23,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     model_dir = Path(args.model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, _ = load_model(model_dir, device=device)
-    tok_path = model_dir / "tokenizer.model" if model_dir.is_dir() else Path(args.tokenizer)
-    tokenizer = Tokenizer.load(args.tokenizer or tok_path)
+    # A final model dir carries its tokenizer; a checkpoint uses the pipeline's.
+    default_tok = (model_dir / "tokenizer.model" if model_dir.is_dir()
+                   else Path("models/tokenizer/tokenizer.model"))
+    tokenizer = Tokenizer.load(args.tokenizer or default_tok)
     prompts = list(args.prompt)
     if args.file:
         prompts += [p for p in Path(args.file).read_text(encoding="utf-8").split("\n\n") if p]

@@ -55,10 +55,14 @@ def load_model(directory: str | os.PathLike, device: str | torch.device = "cpu"
                ) -> tuple[Llama, dict[str, Any]]:
     """Load ``directory``/model.safetensors + config.json -> (model in eval mode, config dict).
 
+    ``directory`` may also be a full training checkpoint file (``step-*.pt``).
+
     The config dict holds ``model`` (the ModelConfig fields), ``vocab_size``,
     ``special_ids`` and ``tokenizer_sha256`` as written by the train stage.
     """
     directory = Path(directory)
+    if directory.is_file():
+        return load_checkpoint_model(directory, device)
     cfg_path, weights_path = directory / CONFIG, directory / WEIGHTS
     try:
         config = json.loads(cfg_path.read_text(encoding="utf-8"))
@@ -91,6 +95,28 @@ def load_model(directory: str | os.PathLike, device: str | torch.device = "cpu"
         model.lm_head.weight = model.tok_embeddings.weight
     # The RoPE tables are non-persistent buffers, still on the meta device: rebuild them.
     model.rope_cos, model.rope_sin = _rope_buffers(model_cfg)
+    return model.to(device).eval(), config
+
+
+def load_checkpoint_model(path: str | os.PathLike, device: str | torch.device = "cpu"
+                          ) -> tuple[Llama, dict[str, Any]]:
+    """The model of a full training checkpoint (``models/checkpoints/step-*.pt``)."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated or not a torch file
+        raise InputError(f"{path}: unreadable checkpoint ({type(e).__name__})") from None
+    if not isinstance(state, dict) or "model_config" not in state:
+        raise InputError(f"{path}: not a full training checkpoint with its model config")
+    try:
+        model_cfg = from_dict(ModelConfig, state["model_config"], "model.")
+        model_cfg.validate()
+    except ConfigError as e:
+        raise InputError(f"{path}: bad model config ({e})") from None
+    model = Llama(model_cfg, int(state["vocab_size"]))
+    model.load_state_dict(state["model"])
+    config = {"model": state["model_config"], "vocab_size": int(state["vocab_size"]),
+              "step": state.get("step")}
     return model.to(device).eval(), config
 
 

@@ -407,5 +407,8 @@ def _save(directory: Path, fp: str, progress: _Progress, model: Llama,
         "format": ckpt.FORMAT, "fingerprint": fp, "step": progress.step,
         "model": model.state_dict(), "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(), "ranks": ranks, "progress": p,
+        # Enough to rebuild the model from this file alone (`lmforge generate --model`).
+        "model_config": dataclasses.asdict(model.config),
+        "vocab_size": model.vocab_size,
     }
     return str(ckpt.save_checkpoint(directory, progress.step, state, keep_last))
