@@ -7,7 +7,8 @@ dropout, no biases) on the same random tokens, with the same batch (``--micro`` 
 * lmforge: ``Llama`` + ``build_optimizer`` + ``lr_at`` + ``_optimizer_step`` (the real
   loop's step: accumulation, fp32 loss, grad-norm before clipping, the non-finite guard),
   fed by the real ``WindowLoader`` over a temporary shard set.
-* nanoGPT: ``bench/nanogpt_model.py`` (its model.py, unchanged) with train.py's step:
+* nanoGPT: its own ``model.py``, from a nanoGPT checkout the user points at with
+  ``--nanogpt DIR`` or ``NANOGPT_DIR`` (not vendored here), with train.py's step:
   ``configure_optimizers`` (fused AdamW where available), ``get_batch`` from an
   ``np.memmap``, loss / accum, clipping at 1.0, ``zero_grad(set_to_none=True)``.
 
@@ -15,13 +16,16 @@ FLOP/s use each model's own formula (6 N + 12 L d T per token, PaLM appendix B);
 ~1-2 % higher at this size (SwiGLU 3 x 256 x 704 vs GELU 2 x 256 x 1024 per layer).
 The headline is the tokens/s ratio ours / nanoGPT, measured in the same run.
 
-    .venv/bin/python bench/bench_train.py [--steps 2] [--rounds 8] [--threads 2]
-        [--micro 8] [--accum 2] [--compile] [--bf16]
+    git clone https://github.com/karpathy/nanoGPT /tmp/nanoGPT
+    .venv/bin/python bench/bench_train.py --nanogpt /tmp/nanoGPT [--steps 2] [--rounds 8]
+        [--threads 2] [--micro 8] [--accum 2] [--compile] [--bf16]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import statistics
 import sys
 import tempfile
@@ -31,19 +35,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from nanogpt_model import GPT, GPTConfig  # noqa: E402
-
-from lmforge.config import ModelConfig, TrainConfig  # noqa: E402
-from lmforge.model.llama import Llama  # noqa: E402
-from lmforge.shards.loader import ShardSet, WindowLoader  # noqa: E402
-from lmforge.shards.writer import write_shards  # noqa: E402
-from lmforge.train.distributed import DistEnv  # noqa: E402
-from lmforge.train.loop import _optimizer_step  # noqa: E402
-from lmforge.train.optim import build_optimizer  # noqa: E402
-from lmforge.train.precision import Precision  # noqa: E402
-from lmforge.train.schedule import lr_at  # noqa: E402
+from lmforge.config import ModelConfig, TrainConfig
+from lmforge.model.llama import Llama
+from lmforge.shards.loader import ShardSet, WindowLoader
+from lmforge.shards.writer import write_shards
+from lmforge.train.distributed import DistEnv
+from lmforge.train.loop import _optimizer_step
+from lmforge.train.optim import build_optimizer
+from lmforge.train.precision import Precision
+from lmforge.train.schedule import lr_at
 
 VOCAB, LAYERS, HEADS, WIDTH, CONTEXT = 8192, 4, 4, 256, 256
 CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -91,9 +91,10 @@ class Ours:
 class NanoGPT:
     """nanoGPT train.py's step (cosine get_lr, accumulation, clipping) at the same size."""
 
-    def __init__(self, data: np.memmap, micro: int, accum: int, precision: str,
-                 compile_: bool) -> None:
+    def __init__(self, nanogpt: object, data: np.memmap, micro: int, accum: int,
+                 precision: str, compile_: bool) -> None:
         torch.manual_seed(0)
+        GPT, GPTConfig = nanogpt.GPT, nanogpt.GPTConfig  # noqa: N806 (nanoGPT's names)
         conf = GPTConfig(n_layer=LAYERS, n_head=HEADS, n_embd=WIDTH, block_size=CONTEXT,
                          vocab_size=VOCAB, bias=False, dropout=0.0)
         self.model = GPT(conf)
@@ -148,8 +149,21 @@ def timed(trainer: Ours | NanoGPT, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def load_nanogpt(directory: str | None) -> object:
+    """nanoGPT's own model.py from a checkout (it is not vendored in this repository)."""
+    if not directory or not (Path(directory) / "model.py").is_file():
+        sys.exit("bench_train: needs a nanoGPT checkout: --nanogpt DIR or NANOGPT_DIR "
+                 "(git clone https://github.com/karpathy/nanoGPT)")
+    spec = importlib.util.spec_from_file_location("nanogpt_model", Path(directory) / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nanogpt", default=os.environ.get("NANOGPT_DIR"),
+                    help="a nanoGPT checkout (its model.py is the baseline)")
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps per round")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
@@ -159,13 +173,14 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile both models")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast for both (CPU)")
     args = ap.parse_args()
+    nanogpt = load_nanogpt(args.nanogpt)
     torch.set_num_threads(args.threads)
     precision = "bf16" if args.bf16 else "fp32"
     tokens_per_step = args.micro * args.accum * CONTEXT
     with tempfile.TemporaryDirectory() as tmp:
         shards, memmap = make_data(Path(tmp), 2_000_000)
         trainers = {"lmforge": Ours(shards, args.micro, args.accum, precision, args.compile),
-                    "nanoGPT": NanoGPT(memmap, args.micro, args.accum, precision,
+                    "nanoGPT": NanoGPT(nanogpt, memmap, args.micro, args.accum, precision,
                                        args.compile)}
         for t in trainers.values():
             timed(t, args.warmup)
