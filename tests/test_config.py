@@ -91,3 +91,21 @@ def test_stage_prints_one_line_not_traceback(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: params.yaml: model.n_embd: 256 is not divisible")
+
+
+def test_missing_required_key_is_one_line(tmp_path):
+    data = demo()
+    del data["ingest"]["sources"][0]["domain"]
+    with pytest.raises(ConfigError, match=r"ingest.sources\[0\].domain: required key missing"):
+        load_params(write(tmp_path, data))
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("prompts", ["ok", ""], "evaluate.prompts: a prompt is empty"),
+    ("temperatures", [0.5, float("nan")], "evaluate.temperatures"),
+])
+def test_evaluate_prompts_and_temperatures(tmp_path, key, value, message):
+    data = demo()
+    data["evaluate"][key] = value
+    with pytest.raises(ConfigError, match=message):
+        load_params(write(tmp_path, data))

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from lmforge.errors import LmforgeError
+from lmforge.errors import InputError, LmforgeError
 from lmforge.export import add_export_parser, add_import_parser
 from lmforge.shards.inspect import add_inspect_parser
 from lmforge.train.selfcheck import add_train_parser
@@ -29,7 +29,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
     tokenizer = Tokenizer.load(args.tokenizer or default_tok)
     prompts = list(args.prompt)
     if args.file:
-        prompts += [p for p in Path(args.file).read_text(encoding="utf-8").split("\n\n") if p]
+        try:
+            text = Path(args.file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"{args.file}: cannot read prompts ({e})") from None
+        prompts += [p for p in text.split("\n\n") if p]
+    if any(not p for p in prompts):
+        raise InputError("generate: a prompt is empty")
     if not prompts:
         raise LmforgeError("generate: give a prompt (argument) or --file")
     for i, prompt in enumerate(prompts):

@@ -390,8 +390,10 @@ class EvaluateConfig:
     def validate(self) -> None:
         _non_negative(self, "max_batches", "train_batches", "top_k")
         _positive(self, "batch_size", "max_new_tokens")
-        if any(t < 0 for t in self.temperatures):
-            raise ConfigError("evaluate.temperatures: temperatures must be >= 0")
+        if not all(t >= 0 for t in self.temperatures):  # NaN fails this too
+            raise ConfigError("evaluate.temperatures: temperatures must be numbers >= 0")
+        if not all(self.prompts):
+            raise ConfigError("evaluate.prompts: a prompt is empty")
 
 
 @dataclass
@@ -467,6 +469,11 @@ def from_dict(cls: type, data: Any, prefix: str) -> Any:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise ConfigError(f"{prefix}{key}: unknown key{hint}")
+    for name, f in fields.items():
+        required = (f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING)
+        if required and name not in data:
+            raise ConfigError(f"{prefix}{name}: required key missing")
     values = {k: _coerce(hints[k], v, f"{prefix}{k}") for k, v in data.items()}
     return cls(**values)
 

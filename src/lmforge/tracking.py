@@ -116,14 +116,20 @@ def _client(root: str | os.PathLike | None = None) -> Any:
 def _experiment_id(client: Any, root: str | os.PathLike | None) -> str:
     exp = client.get_experiment_by_name(EXPERIMENT)
     if exp is not None:
+        if exp.lifecycle_stage == "deleted":  # deleted in the UI: its name stays reserved
+            client.restore_experiment(exp.experiment_id)
         return exp.experiment_id
     # Artifacts beside the store, by absolute path: a queued experiment runs in a temp
     # copy of the repo, and a relative location would land there and vanish.
     artifacts = Path(root or os.environ.get("DVC_ROOT") or os.getcwd()).resolve() / "mlartifacts"
     try:
         return client.create_experiment(EXPERIMENT, artifact_location=artifacts.as_uri())
-    except Exception:  # created concurrently by another queued experiment
-        return client.get_experiment_by_name(EXPERIMENT).experiment_id
+    except Exception:
+        # Created concurrently by another queued experiment; anything else is re-raised.
+        exp = client.get_experiment_by_name(EXPERIMENT)
+        if exp is None:
+            raise
+        return exp.experiment_id
 
 
 def start_run(params: Params, run_name: str | None = None,

@@ -11,11 +11,14 @@ def complete(model: torch.nn.Module, tokenizer, prompt: str, max_new_tokens: int
              temperature: float, top_k: int, seed: int) -> str:
     """The model's continuation of ``prompt`` (decoded text, prompt excluded)."""
     device = next(model.parameters()).device
-    ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)
+    prompt_ids = tokenizer.encode(prompt)
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     out = list(generate(model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
                         eos_id=tokenizer.eos_id, generator=gen))
-    return tokenizer.decode(out)
+    # Decode with the prompt, then cut it off: decoding the continuation alone would drop
+    # its first piece's leading space when the tokenizer uses a dummy prefix (nfkc).
+    return tokenizer.decode(prompt_ids + out)[len(tokenizer.decode(prompt_ids)):]
 
 
 def samples_markdown(model: torch.nn.Module, tokenizer, prompts: list[str],

@@ -101,8 +101,12 @@ def load_resumable(directory: Path, fp: str,
             state = read_checkpoint(path)
         except Exception as e:  # any unreadable file: report it, drop it, fall back
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            log(f"train: checkpoint {path} is unreadable ({reason}); trying the previous one")
-            path.unlink(missing_ok=True)
+            # Set it aside rather than delete it: the error may be transient (I/O, memory)
+            # or a newer format, and it may be the only copy of a long run.
+            bad = path.with_name(path.name + ".bad")
+            log(f"train: checkpoint {path} is unreadable ({reason}); moved to {bad.name}, "
+                "trying the previous one")
+            path.replace(bad)
             continue
         if state["fingerprint"] != fp:
             stale.append(path)
