@@ -328,6 +328,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     label_smoothing: float = 0.0
     z_loss: float = 0.0
+    # Loss straight from the hidden states in cache-sized chunks, never building the
+    # B x T x vocab logits (model/loss.py); false = plain lm_head + cross_entropy.
+    fused_loss: bool = True
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     device: str = "auto"
     compile: bool = False

@@ -22,8 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lmforge.config import ModelConfig
-
-IGNORE_INDEX = -100
+from lmforge.model.loss import cross_entropy, linear_cross_entropy
 
 
 def ffn_hidden_size(cfg: ModelConfig) -> int:
@@ -183,7 +182,11 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """The decoder. ``forward(idx)`` -> logits; ``forward(idx, targets)`` -> (logits, loss)."""
+    """The decoder. ``forward(idx)`` -> logits; ``forward(idx, targets)`` -> (logits, loss).
+
+    With ``fused_loss`` (the default) ``forward(idx, targets)`` returns ``(None, loss)``:
+    the loss comes from the hidden states without materialising the logits.
+    """
 
     def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
         super().__init__()
@@ -193,6 +196,7 @@ class Llama(nn.Module):
         self.activation_checkpointing = False
         self.label_smoothing = 0.0
         self.z_loss = 0.0
+        self.fused_loss = True  # loss from hidden states in cache-sized chunks (loss.py)
         self.tok_embeddings = nn.Embedding(vocab_size, cfg.n_embd)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
@@ -256,20 +260,15 @@ class Llama(nn.Module):
                 x = block(x, cos, sin, cache, mask)
         if cache is not None:
             cache.pos += T
-        logits = self.lm_head(self.norm(x))
+        x = self.norm(x)
+        if targets is not None and self.fused_loss:
+            return None, linear_cross_entropy(x, self.lm_head.weight, targets,
+                                              self.label_smoothing, self.z_loss)
+        logits = self.lm_head(x)
         if targets is None:
             return logits
         return logits, self.loss(logits, targets)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean fp32 cross-entropy over targets != -100, plus the optional z-loss."""
-        flat = logits.float().view(-1, logits.size(-1))
-        tgt = targets.reshape(-1)
-        loss = F.cross_entropy(flat, tgt, ignore_index=IGNORE_INDEX,
-                               label_smoothing=self.label_smoothing)
-        if self.z_loss > 0:
-            # PaLM's z-loss keeps log Z near 0 so the softmax stays well conditioned.
-            keep = (tgt != IGNORE_INDEX).float()
-            lse = torch.logsumexp(flat, dim=-1)
-            loss = loss + self.z_loss * (lse.square() * keep).sum() / keep.sum().clamp(min=1)
-        return loss
+        return cross_entropy(logits, targets, self.label_smoothing, self.z_loss)

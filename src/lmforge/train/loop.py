@@ -19,7 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 from lmforge.config import Params
 from lmforge.errors import InputError, LmforgeError
 from lmforge.model.generate import generate
-from lmforge.model.llama import IGNORE_INDEX, Llama
+from lmforge.model.llama import Llama
+from lmforge.model.loss import IGNORE_INDEX
 from lmforge.model.saved import save_weights
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.distributed import DistEnv, all_gather_objects
@@ -91,6 +92,7 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = Llama(mcfg, vocab).to(device)
     model.label_smoothing, model.z_loss = cfg.label_smoothing, cfg.z_loss
+    model.fused_loss = cfg.fused_loss
     model.activation_checkpointing = cfg.activation_checkpointing
     optimizer = build_optimizer(model, cfg, device)
     precision = resolve_precision(cfg.precision, device)

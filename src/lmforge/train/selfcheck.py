@@ -23,7 +23,8 @@ import torch
 
 from lmforge.config import Params
 from lmforge.errors import LmforgeError
-from lmforge.model.llama import IGNORE_INDEX, Llama
+from lmforge.model.llama import Llama
+from lmforge.model.loss import IGNORE_INDEX
 from lmforge.train.distributed import DistEnv, resolve_device
 from lmforge.train.optim import build_optimizer
 from lmforge.train.precision import resolve_precision
@@ -139,6 +140,7 @@ def self_check(params: Params, data: Any = None, device: torch.device | str | No
         torch.manual_seed(cfg.seed)
         model = Llama(mcfg, vocab).to(device)
         model.label_smoothing, model.z_loss = cfg.label_smoothing, cfg.z_loss
+        model.fused_loss = cfg.fused_loss
         state["model"] = model
         return f"{model.num_params():,} parameters, {precision.name} on {device}"
 
@@ -157,12 +159,14 @@ def self_check(params: Params, data: Any = None, device: torch.device | str | No
     def ignore_index() -> str:
         model = state["model"]
         x, y, *_ = state["batches"][0]
-        with torch.no_grad(), precision.autocast():
-            logits = model(x, positions=_positions(state["batches"][0]))
         half = y.size(1) // 2
         masked = y.clone()
         masked[:, :half] = IGNORE_INDEX
-        got = float(model.loss(logits, masked))
+        positions = _positions(state["batches"][0])
+        with torch.no_grad(), precision.autocast():
+            logits = model(x, positions=positions)
+            # The training loss (fused or not) against the plain loss of the logits.
+            got = float(model(x, masked, positions=positions)[1])
         ref = float(model.loss(logits[:, half:].contiguous(), y[:, half:]))
         _expect(math.isclose(got, ref, rel_tol=1e-4, abs_tol=1e-5),
                 f"loss with half the targets = {IGNORE_INDEX} is {got:.5f}, the loss on the "

@@ -1,0 +1,92 @@
+"""The fused linear cross-entropy against the plain lm_head + cross_entropy path."""
+
+import math
+
+import pytest
+import torch
+
+from lmforge.config import ModelConfig
+from lmforge.model.llama import Llama
+from lmforge.model.loss import cross_entropy, linear_cross_entropy
+
+VOCAB = 97
+
+
+def make(seed: int) -> Llama:
+    torch.manual_seed(seed)
+    return Llama(ModelConfig(n_layer=2, n_head=4, n_embd=32, seq_len=48, ffn_multiple_of=16),
+                 VOCAB)
+
+
+def _inputs(n: int = 37, c: int = 16, v: int = 50, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c, generator=g, requires_grad=True)
+    w = torch.randn(v, c, generator=g, requires_grad=True)
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::5] = -100
+    return x, w, t
+
+
+def _loss_and_grads(fn, x, w):
+    x.grad = w.grad = None
+    loss = fn()
+    (3.0 * loss).backward()  # a non-unit incoming gradient, as loss / accum gives
+    return loss.detach(), x.grad.clone(), w.grad.clone()
+
+
+@pytest.mark.parametrize("smoothing,z", [(0.0, 0.0), (0.1, 0.0), (0.0, 1e-2), (0.2, 1e-3)])
+@pytest.mark.parametrize("chunk", [1, 8, 37, 100])
+def test_fused_equals_plain_loss_and_gradients(smoothing, z, chunk):
+    x, w, t = _inputs()
+    ref = _loss_and_grads(lambda: cross_entropy(x @ w.t(), t, smoothing, z), x, w)
+    got = _loss_and_grads(lambda: linear_cross_entropy(x, w, t, smoothing, z, chunk), x, w)
+    for a, b in zip(ref, got, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_ignored_rows_get_no_gradient_and_all_ignored_is_nan():
+    x, w, t = _inputs()
+    _, gx, _ = _loss_and_grads(lambda: linear_cross_entropy(x, w, t, chunk_tokens=4), x, w)
+    assert torch.count_nonzero(gx[t == -100]) == 0
+    assert torch.count_nonzero(gx[t != -100].abs().sum(1)) == int((t != -100).sum())
+    loss = linear_cross_entropy(x, w, torch.full_like(t, -100))
+    assert math.isnan(loss.item())
+    assert math.isnan(torch.nn.functional.cross_entropy(x @ w.t(), torch.full_like(t, -100),
+                                                        ignore_index=-100).item())
+
+
+def test_no_grad_path_gives_the_loss_only():
+    x, w, t = _inputs()
+    with torch.no_grad():
+        loss = linear_cross_entropy(x, w, t, chunk_tokens=6)
+    assert not loss.requires_grad
+    assert torch.allclose(loss, cross_entropy(x @ w.t(), t).detach())
+
+
+def test_bf16_autocast_stays_close_and_keeps_dtypes():
+    x, w, t = _inputs(n=64, c=32, v=80)
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    ref = _loss_and_grads(lambda: cross_entropy(x32 @ w32.t(), t), x32, w32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _loss_and_grads(lambda: linear_cross_entropy(x32, w32, t, chunk_tokens=16),
+                              x32, w32)
+    assert got[1].dtype == torch.float32 and got[2].dtype == torch.float32
+    for a, b in zip(ref, got, strict=True):
+        assert (a - b).abs().max() <= 0.03 * a.abs().max()
+
+
+def test_model_fused_loss_matches_unfused_forward():
+    idx = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    targets = idx.roll(-1, 1)
+    targets[:, -3:] = -100
+    out = []
+    for fused in (False, True):
+        model = make(seed=7).train()
+        model.fused_loss, model.z_loss, model.label_smoothing = fused, 1e-3, 0.05
+        logits, loss = model(idx, targets)
+        assert (logits is None) == fused
+        loss.backward()
+        out.append((loss.detach(), model.layers[0].attn.wq.weight.grad.clone(),
+                    model.lm_head.weight.grad.clone()))
+    for a, b in zip(*out, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
