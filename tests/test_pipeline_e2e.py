@@ -36,7 +36,7 @@ def tiny_params() -> dict:
     params["tokenizer"].update(vocab_size=VOCAB, sample_chars=400_000, character_coverage=0.98)
     params["model"].update(n_layer=2, n_head=2, n_embd=64, seq_len=64)
     params["train"].update(max_steps=24, micro_batch_size=4, warmup=4, ckpt_every=8,
-                           eval_every=12, eval_batches=2, log_every=4)
+                           eval_every=12, eval_batches=2, log_every=4, compile=False)
     params["evaluate"].update(max_batches=0, batch_size=8, train_batches=2,
                               max_new_tokens=8, prompts=["It is a truth", "床前明月光"])
     return params

@@ -19,13 +19,14 @@ import torch
 import yaml
 
 from lmforge.config import ModelConfig, Params, TrainConfig
-from lmforge.errors import LmforgeError
+from lmforge.errors import ConfigError, LmforgeError
 from lmforge.model import Llama, load_model
 from lmforge.model import llama as llama_module
 from lmforge.shards import ShardSet, WindowLoader, eval_batches
 from lmforge.shards.format import file_sha256
 from lmforge.shards.writer import write_shards
 from lmforge.train import checkpoint as ckpt
+from lmforge.train.compiler import compile_support, resolve_compile
 from lmforge.train.distributed import DistEnv
 from lmforge.train.loop import TrainData, _optimizer_step, train
 from lmforge.train.pipeline import TrainPaths
@@ -72,7 +73,8 @@ def make_inputs(root: Path) -> TrainPaths:
 
 def tiny_params(**train_kw) -> Params:
     train = dict(max_steps=30, micro_batch_size=4, max_lr=3e-3, warmup=3, log_every=5,
-                 eval_every=10, eval_batches=2, ckpt_every=5, keep_last=2, num_threads=1)
+                 eval_every=10, eval_batches=2, ckpt_every=5, keep_last=2, num_threads=1,
+                 compile=False)  # compiled training has its own tests
     train.update(train_kw)
     return Params(model=ModelConfig(n_layer=2, n_head=4, n_embd=64, seq_len=32),
                   train=TrainConfig(**train))
@@ -253,6 +255,9 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
     straight = stage_repo(tmp_path / "straight")
     out = finish(start_stage(straight))
     assert "resuming" not in out
+    # train.compile is auto: where Inductor can build, this checks the compiled step.
+    if compile_support(torch.device("cpu")) is None:
+        assert ", compiled" in out, out
 
     killed = stage_repo(tmp_path / "killed")
     proc = start_stage(killed)
@@ -312,7 +317,8 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path
 
     root = stage_repo(tmp_path / "ddp")
     params = yaml.safe_load((root / "params.yaml").read_text(encoding="utf-8"))
-    params["train"].update(nproc=2, micro_batch_size=4, max_steps=10, eval_every=0)
+    params["train"].update(nproc=2, micro_batch_size=4, max_steps=10, eval_every=0,
+                           compile=False)
     (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
     # Start the two ranks as torchrun would (its launcher would only add start-up time).
     with socket.socket() as sock:
@@ -396,3 +402,23 @@ def test_doc_mask_training_uses_document_positions(inputs, tmp_path):
     # Same batches, same init: only the attention pattern differs.
     assert masked_run.metrics["val_loss"] != plain_run.metrics["val_loss"]
     assert masked_run.fingerprint != plain_run.fingerprint
+
+
+def test_compile_setting_resolves_per_device(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_compile(False, cpu) == (False, "eager")
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    on, how = resolve_compile("auto", cpu)
+    assert not on and "no C++ compiler on PATH (no-such-compiler-here)" in how
+    with pytest.raises(ConfigError, match="train.compile: true, but torch.compile cannot run"):
+        resolve_compile(True, cpu)
+    monkeypatch.delenv("CXX")
+    if compile_support(cpu) is None:
+        assert resolve_compile("auto", cpu) == (True, "compiled")
+
+
+def test_compile_setting_does_not_change_the_run_fingerprint():
+    fps = {ckpt.fingerprint(ModelConfig(), TrainConfig(compile=c, fused_loss=f), 1, {}, {}, "t")
+           for c in ("auto", True, False) for f in (True, False)}
+    assert len(fps) == 1
+    assert ckpt.fingerprint(ModelConfig(), TrainConfig(max_lr=1e-4), 1, {}, {}, "t") not in fps

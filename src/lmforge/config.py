@@ -333,7 +333,8 @@ class TrainConfig:
     fused_loss: bool = True
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     device: str = "auto"
-    compile: bool = False
+    # torch.compile the training step: auto = wherever Inductor can build (train/compiler.py).
+    compile: Literal["auto", True, False] = "auto"
     activation_checkpointing: bool = False
     # Stop after this many consecutive non-finite steps.
     max_bad_steps: int = 5

@@ -33,6 +33,8 @@ NON_RUN_KEYS = frozenset({
     "sample_prompts", "self_check",
     # Splits the same per-rank batch differently; the loader hands out the same windows.
     "probe_micro_batch",
+    # The same step computed by other kernels (equal up to float rounding).
+    "compile", "fused_loss", "activation_checkpointing",
 })
 _REQUIRED = ("format", "fingerprint", "step", "model", "optimizer", "ranks", "progress")
 

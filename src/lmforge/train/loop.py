@@ -23,6 +23,7 @@ from lmforge.model.llama import Llama
 from lmforge.model.loss import IGNORE_INDEX
 from lmforge.model.saved import save_weights
 from lmforge.train import checkpoint as ckpt
+from lmforge.train.compiler import resolve_compile
 from lmforge.train.distributed import DistEnv, all_gather_objects
 from lmforge.train.optim import build_optimizer
 from lmforge.train.precision import Precision, resolve_precision
@@ -123,7 +124,8 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
                                       else None)
         step_model = ddp
-    if cfg.compile:
+    compiled, how = resolve_compile(cfg.compile, device)
+    if compiled:
         step_model = torch.compile(step_model)
 
     run = open_run(params, progress.run_id) if (track and env.is_main) else NullRun()
@@ -132,7 +134,8 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     peak = peak_flops(device, precision.name)
     if env.is_main:
         log(f"train: {model.num_params():,} parameters, {tokens_per_step:,} tokens/step, "
-            f"{precision.name} on {device}" + (f" x{env.world_size}" if ddp else ""))
+            f"{precision.name} on {device}" + (f" x{env.world_size}" if ddp else "")
+            + f", {how}")
     t0 = time.perf_counter()
     interval = _Interval(start_step=step, loss_sum=progress.loss_sum, loss_n=progress.loss_n)
     bad_streak, last_good_ckpt = 0, progress.resumed_from
