@@ -145,6 +145,25 @@ def test_nfkc_is_reported_lossy(trained, tmp_path):
     assert tok.decode(tok.encode("ＡＢＣ，  x")) != "ＡＢＣ，  x"
 
 
+def test_init_from_reuses_an_existing_model_and_scores_it(trained, tmp_path):
+    root, metrics, _ = trained
+    source = root / "tokenizer"  # a directory holding tokenizer.model, as import hf writes
+    cfg = TokenizerConfig(**{**CFG.__dict__, "init_from": str(source), "vocab_size": 4000})
+    m = build_tokenizer(root / "mixed" / "train", root / "mixed" / "val", tmp_path / "t", cfg)
+    assert (tmp_path / "t" / "tokenizer.model").read_bytes() == (
+        source / "tokenizer.model").read_bytes()
+    assert m["sha256"] == metrics["sha256"] and m["vocab_size"] == CFG.vocab_size
+    assert m["chars_per_token"] == metrics["chars_per_token"] and m["lossless"] is True
+    assert m["init_from"] == str(source / "tokenizer.model") and m["train_seconds"] == 0.0
+    bad = tmp_path / "bad.model"
+    bad.write_bytes(b"not a model")
+    cfg = TokenizerConfig(**{**CFG.__dict__, "init_from": str(bad)})
+    with pytest.raises(InputError, match=r"^tokenizer.init_from: .*bad.model: not a "
+                                         r"sentencepiece model"):
+        build_tokenizer(root / "mixed" / "train", root / "mixed" / "val", tmp_path / "u", cfg)
+    assert not (tmp_path / "u").exists()
+
+
 def test_sample_is_balanced_seeded_and_order_free(tmp_path):
     mixed = write_mixed(tmp_path)
     parts = sorted((mixed / "train").glob("*.parquet"))

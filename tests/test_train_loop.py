@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from lmforge.config import ModelConfig, Params, TrainConfig
-from lmforge.errors import ConfigError, LmforgeError
+from lmforge.errors import ConfigError, InputError, LmforgeError
 from lmforge.model import Llama, load_model
 from lmforge.model import llama as llama_module
 from lmforge.shards import ShardSet, WindowLoader, eval_batches
@@ -422,3 +422,53 @@ def test_compile_setting_does_not_change_the_run_fingerprint():
            for c in ("auto", True, False) for f in (True, False)}
     assert len(fps) == 1
     assert ckpt.fingerprint(ModelConfig(), TrainConfig(max_lr=1e-4), 1, {}, {}, "t") not in fps
+
+
+def test_init_from_starts_from_saved_weights_and_checks_them(inputs, tmp_path):
+    from lmforge.model.saved import save_model
+
+    base = run(tiny_params(max_steps=10, eval_every=0), inputs, tmp_path / "a")
+    saved = tmp_path / "base"
+    save_model(base.model, saved, tokenizer_sha256="t" * 64)
+    logs: list[str] = []
+    # A learning rate of ~0: the continued run's weights stay the saved ones.
+    cont = run(tiny_params(max_steps=1, max_lr=1e-12, eval_every=0, init_from=str(saved)),
+               inputs, tmp_path / "b", logs)
+    assert any(line.startswith(f"train: weights from {saved}") for line in logs)
+    for name, tensor in base.model.state_dict().items():
+        assert torch.allclose(cont.model.state_dict()[name], tensor, atol=1e-8), name
+    fresh = run(tiny_params(max_steps=1, max_lr=1e-12, eval_every=0), inputs, tmp_path / "c")
+    assert cont.metrics["val_loss"] == pytest.approx(base.metrics["val_loss"], abs=1e-6)
+    assert cont.metrics["val_loss"] < fresh.metrics["val_loss"] - 0.1
+
+    # A longer context is fine (RoPE has no learned positions); another width is not.
+    longer = tiny_params(max_steps=1, eval_every=0, init_from=str(saved))
+    longer.model.seq_len = 48
+    run(longer, inputs, tmp_path / "d")
+    wider = tiny_params(max_steps=1, eval_every=0, init_from=str(saved))
+    wider.model.n_embd = 128
+    with pytest.raises(InputError, match=r"train.init_from: .* has model.n_embd 64, "
+                                         r"params.yaml 128$"):
+        run(wider, inputs, tmp_path / "e")
+    other_tok = tmp_path / "other-tokenizer"
+    save_model(base.model, other_tok, tokenizer_sha256="u" * 64)
+    with pytest.raises(InputError, match="set tokenizer.init_from"):
+        run(tiny_params(max_steps=1, init_from=str(other_tok)), inputs, tmp_path / "f")
+    with pytest.raises(InputError, match="(?i)init_from: .*nothing.*: no such file or directory"):
+        run(tiny_params(max_steps=1, init_from=str(tmp_path / "nothing")), inputs,
+            tmp_path / "g")
+
+
+def test_init_from_new_weights_under_the_same_path_are_not_resumed(inputs, tmp_path):
+    from lmforge.model.saved import save_model
+
+    saved = tmp_path / "base"
+    first = run(tiny_params(max_steps=5, eval_every=0), inputs, tmp_path / "a")
+    save_model(first.model, saved, tokenizer_sha256="t" * 64)
+    params = tiny_params(max_steps=5, eval_every=0, init_from=str(saved))
+    ck = tmp_path / "ck"
+    assert run(params, inputs, ck).metrics["resumed_from"] is None
+    assert run(params, inputs, ck).metrics["resumed_from"] == "step-000005.pt"
+    second = run(tiny_params(max_steps=6, eval_every=0), inputs, tmp_path / "b")
+    save_model(second.model, saved, tokenizer_sha256="t" * 64)  # same path, new weights
+    assert run(params, inputs, ck).metrics["resumed_from"] is None

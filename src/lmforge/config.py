@@ -243,6 +243,10 @@ class TokenizerConfig:
     max_sentence_length: int = 16384
     seed: int = 42
     num_threads: int = 0  # 0 = all cores
+    # An existing sentencepiece model (a tokenizer.model file, or a directory with one,
+    # such as `lmforge import hf`'s output) used as is instead of training one: for
+    # continued pretraining with train.init_from. The training settings above are unused.
+    init_from: str | None = None
 
     def validate(self) -> None:
         if self.vocab_size < 260:
@@ -344,6 +348,9 @@ class TrainConfig:
     sample_every: int = 0  # 0 = never during training
     # Prompts continued every sample_every steps (MLflow text artifacts); none = from BOS.
     sample_prompts: list[str] = field(default_factory=list)
+    # Start from these weights instead of a random init (continued pretraining): a model
+    # dir (models/final, `lmforge import hf` output) or a step-*.pt checkpoint.
+    init_from: str | None = None
     # Run the quick self-check (10 batches, 2 optimizer steps) before training.
     self_check: bool = False
     # CUDA only: find the largest micro-batch that fits; accumulation keeps the global batch.

@@ -6,6 +6,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sentencepiece import sentencepiece_model_pb2 as sp_pb
+
 from lmforge.config import TokenizerConfig, section_dict
 from lmforge.errors import InputError
 from lmforge.io import atomic_dir
@@ -20,7 +22,12 @@ MODEL_NAME = "tokenizer.model"
 
 def build_tokenizer(train_dir: str | Path, val_dir: str | Path, out_dir: str | Path,
                     cfg: TokenizerConfig) -> dict[str, Any]:
-    """Train a tokenizer on a sample of ``train_dir``; write ``out_dir``; return metrics."""
+    """Train a tokenizer on a sample of ``train_dir``; write ``out_dir``; return metrics.
+
+    With ``cfg.init_from`` the given model is used as is (and scored the same way).
+    """
+    if cfg.init_from:
+        return _reuse_tokenizer(cfg.init_from, val_dir, out_dir, cfg)
     train_parts, val_parts = list_parts(train_dir), list_parts(val_dir)
     t0 = time.perf_counter()
     sample = balanced_sample(train_parts, cfg.sample_chars, cfg.seed)
@@ -28,6 +35,44 @@ def build_tokenizer(train_dir: str | Path, val_dir: str | Path, out_dir: str | P
     if not sample.texts:
         raise InputError(f"{train_dir}: no text to train the tokenizer on")
     model, train_seconds = train_model(sample.texts, cfg)
+    metrics = _write_and_score(model, val_parts, out_dir, cfg)
+    metrics.update({
+        "sample": {"chars": sum(sample.chars_per_domain.values()),
+                   "chars_per_domain": sample.chars_per_domain,
+                   "available_chars": sample.available_chars,
+                   "repeated_ids_skipped": sample.repeats_skipped,
+                   "peak_held_chars": sample.peak_held_chars},
+        "sample_seconds": round(sample_seconds, 3),
+        "train_seconds": round(train_seconds, 3),
+    })
+    return metrics
+
+
+def _reuse_tokenizer(source: str, val_dir: str | Path, out_dir: str | Path,
+                     cfg: TokenizerConfig) -> dict[str, Any]:
+    """``tokenizer.init_from``: copy an existing sentencepiece model into ``out_dir``."""
+    path = Path(source)
+    if path.is_dir():
+        path = path / MODEL_NAME
+    try:
+        model = path.read_bytes()
+    except OSError as e:
+        raise InputError(f"tokenizer.init_from: {path}: {e.strerror or e}") from None
+    try:
+        Tokenizer(model, str(path))
+    except Exception as e:  # sentencepiece raises RuntimeError/OSError with long text
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"tokenizer.init_from: {path}: not a sentencepiece model "
+                         f"({first})") from None
+    metrics = _write_and_score(model, list_parts(val_dir), out_dir, cfg)
+    metrics.update({"init_from": str(path), "sample": None, "sample_seconds": 0.0,
+                    "train_seconds": 0.0})
+    return metrics
+
+
+def _write_and_score(model: bytes, val_parts: list[Path], out_dir: str | Path,
+                     cfg: TokenizerConfig) -> dict[str, Any]:
+    """Write ``model`` (and its vocab listing) to ``out_dir``; score it on ``val_parts``."""
     with atomic_dir(out_dir) as tmp:
         (tmp / MODEL_NAME).write_bytes(model)
         (tmp / MODEL_NAME).with_suffix(".vocab").write_text(vocab_text(model), encoding="utf-8")
@@ -39,7 +84,7 @@ def build_tokenizer(train_dir: str | Path, val_dir: str | Path, out_dir: str | P
         "sha256": tok.sha256,
         "vocab_size": tok.vocab_size,
         # Lossless by construction (identity normalisation + byte fallback), and checked.
-        "lossless": cfg.normalization == "identity" and cfg.byte_fallback and failures == 0,
+        "lossless": _lossless_by_construction(model) and failures == 0,
         "roundtrip_failures": failures,
         **vocab_stats(tok),
         "chars_per_token": {d: s["chars_per_token"] for d, s in held["domains"].items()}
@@ -49,11 +94,11 @@ def build_tokenizer(train_dir: str | Path, val_dir: str | Path, out_dir: str | P
         "unk_rate": {d: s["unk_rate"] for d, s in held["domains"].items()}
         | {"all": held["all"]["unk_rate"]},
         "heldout": held,
-        "sample": {"chars": sum(sample.chars_per_domain.values()),
-                   "chars_per_domain": sample.chars_per_domain,
-                   "available_chars": sample.available_chars,
-                   "repeated_ids_skipped": sample.repeats_skipped,
-                   "peak_held_chars": sample.peak_held_chars},
-        "sample_seconds": round(sample_seconds, 3),
-        "train_seconds": round(train_seconds, 3),
     }
+
+
+def _lossless_by_construction(model: bytes) -> bool:
+    """Identity normalisation and byte fallback, read from the model itself."""
+    proto = sp_pb.ModelProto()
+    proto.ParseFromString(model)
+    return proto.normalizer_spec.name == "identity" and proto.trainer_spec.byte_fallback

@@ -40,8 +40,13 @@ _REQUIRED = ("format", "fingerprint", "step", "model", "optimizer", "ranks", "pr
 
 
 def fingerprint(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int,
-                train_manifest: dict, val_manifest: dict, tokenizer_sha256: str) -> str:
-    """sha256 over everything that defines a run's trajectory."""
+                train_manifest: dict, val_manifest: dict, tokenizer_sha256: str,
+                init_sha256: str | None = None) -> str:
+    """sha256 over everything that defines a run's trajectory.
+
+    ``init_sha256``: the weights ``train.init_from`` starts from, so a run never resumes
+    on top of a different starting model kept under the same path.
+    """
     train = {k: v for k, v in dataclasses.asdict(train_cfg).items() if k not in NON_RUN_KEYS}
     blob = {
         "model": dataclasses.asdict(model_cfg),
@@ -51,6 +56,8 @@ def fingerprint(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int,
         "data": [_manifest_digest(train_manifest), _manifest_digest(val_manifest)],
         "tokenizer_sha256": tokenizer_sha256,
     }
+    if init_sha256 is not None:
+        blob["init_sha256"] = init_sha256
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
 
 

@@ -30,6 +30,7 @@ from lmforge.train.precision import Precision, resolve_precision
 from lmforge.train.probe import probe_micro_batch
 from lmforge.train.schedule import lr_at
 from lmforge.train.telemetry import NullRun, format_duration, memory_mb, open_run, peak_flops
+from lmforge.train.warm_start import warm_start, weights_sha256
 
 
 @dataclass
@@ -106,7 +107,8 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     loader = data.make_loader(data.train, mcfg.seq_len, micro_batch, cfg.seed,
                               rank=env.rank, world_size=env.world_size, **doc_info)
     fp = ckpt.fingerprint(mcfg, cfg, env.world_size, data.train.manifest, data.val.manifest,
-                          tokenizer_sha256)
+                          tokenizer_sha256,
+                          weights_sha256(cfg.init_from) if cfg.init_from else None)
     torch.manual_seed(cfg.seed + env.rank)  # per-rank dropout streams
 
     state = _load_resume_state(checkpoint_dir, fp, env, log)
@@ -115,6 +117,8 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
         progress = _restore(state, model, optimizer, scaler, loader, env)
         log(f"train: resuming from {state['path']} at step {progress.step}/{cfg.max_steps}")
         del state
+    elif cfg.init_from:
+        log(warm_start(model, cfg.init_from, tokenizer_sha256))
     step, tokens_seen, skipped, history = (progress.step, progress.tokens_seen,
                                            progress.skipped, progress.history)
 

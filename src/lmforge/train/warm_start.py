@@ -1,0 +1,74 @@
+"""``train.init_from``: start a run from trained weights (continued pretraining).
+
+The source is a model directory (the train stage's ``models/final``, or what
+``lmforge import hf`` wrote) or a ``step-*.pt`` checkpoint. Only the weights are taken:
+the optimizer, schedule and data order start fresh, as continued pretraining on new
+data does. The architecture must match ``params.yaml``'s model section (the context
+length may differ: RoPE has no learned positions) and the tokenizer must be the one the
+shards were encoded with, or the token ids would mean different things.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+
+import torch
+
+from lmforge.config import ModelConfig
+from lmforge.errors import InputError
+from lmforge.model.llama import Llama
+from lmforge.model.saved import WEIGHTS, load_model
+
+# Fields that change how a model trains or how far it reads, not what its weights mean.
+_FREE = {"seq_len", "dropout", "doc_mask"}
+
+
+def weights_sha256(source: str | Path) -> str:
+    """sha256 of the source's weights file: part of the run fingerprint."""
+    path = Path(source)
+    path = path / WEIGHTS if path.is_dir() else path
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    except OSError as e:
+        raise InputError(f"train.init_from: {path}: {e.strerror or e}") from None
+    return h.hexdigest()
+
+
+def warm_start(model: Llama, source: str | Path, tokenizer_sha256: str) -> str:
+    """Copy ``source``'s weights into ``model``; return a one-line description."""
+    source = Path(source)
+    if not source.exists():
+        raise InputError(f"train.init_from: {source}: no such file or directory")
+    init, config = load_model(source)
+    _check_architecture(model.config, model.vocab_size, init.config, init.vocab_size, source)
+    theirs = config.get("tokenizer_sha256")
+    if theirs and tokenizer_sha256 and theirs != tokenizer_sha256:
+        raise InputError(
+            f"train.init_from: {source} was trained with tokenizer {theirs[:12]}, the shards "
+            f"use {tokenizer_sha256[:12]}; set tokenizer.init_from to its tokenizer.model "
+            "and rebuild the shards")
+    target = model.state_dict()
+    with torch.no_grad():
+        for name, tensor in init.state_dict().items():
+            target[name].copy_(tensor)
+    checked = "" if theirs else " (its tokenizer is unrecorded: not checked)"
+    return f"train: weights from {source}, {init.num_params():,} parameters{checked}"
+
+
+def _check_architecture(ours: ModelConfig, our_vocab: int, theirs: ModelConfig,
+                        their_vocab: int, source: Path) -> None:
+    if their_vocab != our_vocab:
+        raise InputError(f"train.init_from: {source} has vocab_size {their_vocab}, the shards "
+                         f"{our_vocab}")
+    mine, other = dataclasses.asdict(ours), dataclasses.asdict(theirs)
+    for fields in (mine, other):  # unset = as many key/value heads as query heads
+        fields["n_kv_head"] = fields["n_kv_head"] or fields["n_head"]
+    for key in mine:
+        if key not in _FREE and mine[key] != other[key]:
+            raise InputError(f"train.init_from: {source} has model.{key} {other[key]!r}, "
+                             f"params.yaml {mine[key]!r}")
