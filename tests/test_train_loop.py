@@ -311,14 +311,15 @@ def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
+@pytest.mark.parametrize("compile_", [False, "auto"])
+def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path, compile_):
     """torchrun (gloo) with 2 x 4 windows per step ~ one process with 8 windows per step."""
     from safetensors.torch import load_file
 
     root = stage_repo(tmp_path / "ddp")
     params = yaml.safe_load((root / "params.yaml").read_text(encoding="utf-8"))
     params["train"].update(nproc=2, micro_batch_size=4, max_steps=10, eval_every=0,
-                           compile=False)
+                           compile=compile_)
     (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
     # Start the two ranks as torchrun would (its launcher would only add start-up time).
     with socket.socket() as sock:
@@ -333,9 +334,13 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path
         procs.append(subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=root,
                                       env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
+    outs = []
     for proc in procs:
         out, _ = proc.communicate(timeout=180)
         assert proc.returncode == 0, out
+        outs.append(out)
+    if compile_ == "auto" and compile_support(torch.device("cpu")) is None:
+        assert ", compiled" in outs[0], outs[0]  # torch.compile over DistributedDataParallel
     metrics = json.loads((root / "metrics" / "train.json").read_text())
     assert metrics["world_size"] == 2 and metrics["tokens"] == 10 * 8 * 32
     ddp = load_file(root / "models" / "final" / "model.safetensors")
@@ -472,3 +477,17 @@ def test_init_from_new_weights_under_the_same_path_are_not_resumed(inputs, tmp_p
     second = run(tiny_params(max_steps=6, eval_every=0), inputs, tmp_path / "b")
     save_model(second.model, saved, tokenizer_sha256="t" * 64)  # same path, new weights
     assert run(params, inputs, ck).metrics["resumed_from"] is None
+
+
+@pytest.mark.skipif(compile_support(torch.device("cpu")) is not None,
+                    reason="torch.compile cannot build here")
+def test_compiled_step_with_doc_mask_and_activation_checkpointing_matches_eager(inputs,
+                                                                              tmp_path):
+    results = []
+    for compile_ in (False, True):
+        params = tiny_params(max_steps=4, eval_every=0, log_every=1, compile=compile_,
+                             activation_checkpointing=True)
+        params.model.doc_mask = True
+        results.append(run(params, inputs, tmp_path / str(compile_)))
+    eager, compiled = ([row["loss"] for row in r.history] for r in results)
+    assert len(eager) == 4 and eager == pytest.approx(compiled, rel=1e-4)
