@@ -22,7 +22,7 @@ build) with nanoGPT's faster mode on this machine.
 
     git clone https://github.com/karpathy/nanoGPT /tmp/nanoGPT
     .venv/bin/python bench/bench_train.py --nanogpt /tmp/nanoGPT [--steps 2] [--rounds 8]
-        [--threads 2] [--micro 8] [--accum 2] [--modes eager,compile] [--bf16]
+        [--threads 2] [--micro 8] [--accum 2] [--modes eager,compile] [--bf16] [--plain-loss]
 """
 
 from __future__ import annotations
@@ -68,12 +68,13 @@ class Ours:
     """lmforge's training step at the benchmark size."""
 
     def __init__(self, shards: ShardSet, micro: int, accum: int, precision: str,
-                 compile_: bool) -> None:
+                 compile_: bool, fused_loss: bool = True) -> None:
         torch.manual_seed(0)
         self.cfg = TrainConfig(max_steps=10_000, micro_batch_size=micro, grad_accum_steps=accum,
                                warmup=100)
         mcfg = ModelConfig(n_layer=LAYERS, n_head=HEADS, n_embd=WIDTH, seq_len=CONTEXT)
         self.model = Llama(mcfg, VOCAB)
+        self.model.fused_loss = fused_loss
         self.step_model = torch.compile(self.model) if compile_ else self.model
         self.opt = build_optimizer(self.model, self.cfg, CPU.device)
         self.precision = Precision(precision, "cpu")
@@ -178,6 +179,8 @@ def main() -> None:
     ap.add_argument("--modes", default="eager,compile",
                     help="comma-separated: eager, compile (both sides run each)")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast for both (CPU)")
+    ap.add_argument("--plain-loss", action="store_true",
+                    help="also time lmforge with train.fused_loss off (eager)")
     args = ap.parse_args()
     nanogpt = load_nanogpt(args.nanogpt)
     torch.set_num_threads(args.threads)
@@ -193,6 +196,9 @@ def main() -> None:
                                                mode == "compile")
             trainers[f"nanoGPT {mode}"] = NanoGPT(nanogpt, memmap, args.micro, args.accum,
                                                   precision, mode == "compile")
+        if args.plain_loss:
+            trainers["lmforge plain-loss"] = Ours(shards, args.micro, args.accum, precision,
+                                                  False, fused_loss=False)
         for t in trainers.values():  # compiles, then settles
             timed(t, args.warmup)
         secs: dict[str, list[float]] = {name: [] for name in trainers}
@@ -222,6 +228,8 @@ def main() -> None:
 
     for mode in modes:
         compare(f"lmforge {mode}", f"nanoGPT {mode}")
+    if args.plain_loss and "eager" in modes:
+        compare("lmforge eager", "lmforge plain-loss")
     ours = f"lmforge {'compile' if default_compiled else 'eager'}"
     theirs = max((n for n in best if n.startswith("nanoGPT")), key=best.get)
     if ours in best:
