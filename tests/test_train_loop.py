@@ -491,3 +491,30 @@ def test_compiled_step_with_doc_mask_and_activation_checkpointing_matches_eager(
         results.append(run(params, inputs, tmp_path / str(compile_)))
     eager, compiled = ([row["loss"] for row in r.history] for r in results)
     assert len(eager) == 4 and eager == pytest.approx(compiled, rel=1e-4)
+
+
+def test_compile_auto_falls_back_to_eager_when_the_first_step_fails(inputs, tmp_path,
+                                                                      monkeypatch):
+    from torch._dynamo.exc import TorchDynamoException
+
+    from lmforge.train import loop
+
+    class Broken(torch.nn.Module):
+        """What torch.compile gives when the toolchain fails: an error at the first call."""
+
+        def forward(self, *args, **kwargs):
+            raise TorchDynamoException("C++ compile error: omp.h: No such file")
+
+    monkeypatch.setattr(loop, "resolve_compile",
+                        lambda requested, device: (requested is not False, "compiled"))
+    monkeypatch.setattr(loop.torch, "compile", lambda module: Broken())
+    logs: list[str] = []
+    fell_back = run(tiny_params(max_steps=6, eval_every=0, compile="auto"), inputs,
+                    tmp_path / "a", logs)
+    assert sum("torch.compile failed (C++ compile error: omp.h" in line for line in logs) == 1
+    eager = run(tiny_params(max_steps=6, eval_every=0), inputs, tmp_path / "b")
+    for name, tensor in eager.model.state_dict().items():
+        assert torch.equal(fell_back.model.state_dict()[name], tensor), name
+    # Asked for explicitly, a failing compile is an error, not a silent fallback.
+    with pytest.raises(TorchDynamoException):
+        run(tiny_params(max_steps=6, eval_every=0, compile=True), inputs, tmp_path / "c")

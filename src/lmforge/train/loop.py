@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import time
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._dynamo.exc import TorchDynamoException
 from torch.nn.parallel import DistributedDataParallel
 
 from lmforge.config import Params
@@ -128,9 +130,14 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
                                       else None)
         step_model = ddp
+    eager_model = step_model
     compiled, how = resolve_compile(cfg.compile, device)
     if compiled:
         step_model = torch.compile(step_model)
+    # With compile: auto, a toolchain that fails at the first step (Inductor compiles
+    # lazily) falls back to eager from the same loader position and RNG state.
+    fallback = ((copy.deepcopy(loader.state_dict()), ckpt.capture_rng(device))
+                if compiled and cfg.compile == "auto" else None)
 
     run = open_run(params, progress.run_id) if (track and env.is_main) else NullRun()
     tokens_per_step = micro_batch * mcfg.seq_len * accum * env.world_size
@@ -149,8 +156,21 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss_val, grad_norm = _optimizer_step(step_model, ddp, model, optimizer, scaler,
-                                                  precision, loader, accum, cfg.grad_clip, env)
+            try:
+                loss_val, grad_norm = _optimizer_step(step_model, ddp, model, optimizer, scaler,
+                                                      precision, loader, accum, cfg.grad_clip,
+                                                      env)
+            except TorchDynamoException as e:
+                if fallback is None:
+                    raise
+                reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e)
+                log(f"train: torch.compile failed ({reason}); training eager")
+                loader.load_state_dict(fallback[0])
+                ckpt.restore_rng(fallback[1], device)
+                optimizer.zero_grad(set_to_none=True)
+                step_model, fallback = eager_model, None
+                continue
+            fallback = None
             step += 1
             tokens_seen += tokens_per_step
             if math.isfinite(loss_val) and math.isfinite(grad_norm):
