@@ -63,11 +63,12 @@ def test_no_grad_path_gives_the_loss_only():
     assert torch.allclose(loss, cross_entropy(x @ w.t(), t).detach())
 
 
-def test_bf16_autocast_stays_close_and_keeps_dtypes():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_autocast_stays_close_and_keeps_dtypes(dtype):
     x, w, t = _inputs(n=64, c=32, v=80)
     x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
     ref = _loss_and_grads(lambda: cross_entropy(x32 @ w32.t(), t), x32, w32)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=dtype):
         got = _loss_and_grads(lambda: linear_cross_entropy(x32, w32, t, chunk_tokens=16),
                               x32, w32)
     assert got[1].dtype == torch.float32 and got[2].dtype == torch.float32
