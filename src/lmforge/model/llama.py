@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lmforge.config import ModelConfig
+from lmforge.model import ops
 from lmforge.model.loss import cross_entropy, linear_cross_entropy
 
 
@@ -53,6 +54,9 @@ def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor,
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate queries or keys (last dim = head_dim) by angles; cos/sin broadcast to ``x``."""
+    if not torch.compiler.is_compiling():  # eager: fewer passes, see ops.py
+        half = x.size(-1) // 2
+        return ops.rope(x, cos[..., :half], sin[..., :half])
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
@@ -75,6 +79,16 @@ def document_attention(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     same_doc = doc.unsqueeze(-1) == doc.unsqueeze(-2)
     causal = ar.unsqueeze(-1) >= ar
     return ar - first, (same_doc & causal).unsqueeze(1)
+
+
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` with a hand-written backward in eager mode (ops.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return super().forward(x)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        return ops.rms_norm(x, self.weight, eps)
 
 
 @dataclass
@@ -169,9 +183,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.attn = Attention(cfg, layer)
-        self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.mlp_norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -199,7 +213,7 @@ class Llama(nn.Module):
         self.fused_loss = True  # loss from hidden states in cache-sized chunks (loss.py)
         self.tok_embeddings = nn.Embedding(vocab_size, cfg.n_embd)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
-        self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight
