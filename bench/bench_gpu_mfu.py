@@ -101,7 +101,8 @@ def main() -> None:
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=device)
     tokens_per_step = micro * args.accum * mcfg.seq_len
 
-    matmul_dtype = torch.bfloat16 if precision.name in ("bf16", "fp16") else torch.float32
+    matmul_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision.name,
+                                                                       torch.float32)
     ceiling = matmul_ceiling(device, matmul_dtype, 8192 if device.type == "cuda" else 1024)
 
     model = Llama(mcfg, shape["vocab"]).to(device)

@@ -109,3 +109,12 @@ def test_evaluate_prompts_and_temperatures(tmp_path, key, value, message):
     data["evaluate"][key] = value
     with pytest.raises(ConfigError, match=message):
         load_params(write(tmp_path, data))
+
+
+def test_literal_choices_are_typed():
+    from lmforge.config import TrainConfig, from_dict
+
+    assert from_dict(TrainConfig, {"compile": False}, "train.").compile is False
+    assert from_dict(TrainConfig, {"compile": "auto"}, "train.").compile == "auto"
+    with pytest.raises(ConfigError, match=r"train.compile: 0 is not one of auto, True, False"):
+        from_dict(TrainConfig, {"compile": 0}, "train.")

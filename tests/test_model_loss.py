@@ -55,12 +55,45 @@ def test_ignored_rows_get_no_gradient_and_all_ignored_is_nan():
                                                         ignore_index=-100).item())
 
 
-def test_no_grad_path_gives_the_loss_only():
+def test_no_grad_path_computes_the_loss_only():
+    from torch.utils.flop_counter import FlopCounterMode
+
     x, w, t = _inputs()
-    with torch.no_grad():
-        loss = linear_cross_entropy(x, w, t, chunk_tokens=6)
-    assert not loss.requires_grad
-    assert torch.allclose(loss, cross_entropy(x @ w.t(), t).detach())
+    one_matmul = 2 * x.size(0) * x.size(1) * w.size(0)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode(), FlopCounterMode(display=False) as counter:
+            loss = linear_cross_entropy(x, w, t, chunk_tokens=6)
+        assert counter.get_total_flops() == one_matmul  # no gradient matmuls
+        assert not loss.requires_grad
+        assert torch.allclose(loss, cross_entropy(x @ w.t(), t).detach())
+    with FlopCounterMode(display=False) as counter:
+        linear_cross_entropy(x, w, t, chunk_tokens=6)
+    assert counter.get_total_flops() > one_matmul  # (the in-place addmm_ is not counted)
+
+
+@pytest.mark.parametrize("bad", [-1, 50])
+def test_a_target_outside_the_vocabulary_gives_a_nan_loss(bad):
+    x, w, t = _inputs()  # vocabulary of 50
+    t[3] = bad
+    assert math.isnan(linear_cross_entropy(x, w, t, chunk_tokens=8).item())
+
+
+def test_fp16_weight_gradient_does_not_overflow_on_a_frequent_target():
+    # Half the targets are one token and one hidden coordinate is 20: summed over an
+    # 8192-token chunk that exceeds fp16's 65504 unless taken in fp32.
+    n, c, v = 8192, 16, 64
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, c, generator=g)
+    x[:, 0] = 20.0
+    w = (torch.randn(v, c, generator=g) * 0.02).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::2] = 7
+    x.requires_grad_()
+    ref = _loss_and_grads(lambda: cross_entropy(x @ w.t(), t), x, w)
+    with torch.autocast("cpu", dtype=torch.float16):
+        got = _loss_and_grads(lambda: linear_cross_entropy(x, w, t, chunk_tokens=n), x, w)
+    assert torch.isfinite(got[2]).all()
+    assert (got[2] - ref[2]).abs().max() <= 0.01 * ref[2].abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -459,6 +459,18 @@ def test_init_from_starts_from_saved_weights_and_checks_them(inputs, tmp_path):
     save_model(base.model, other_tok, tokenizer_sha256="u" * 64)
     with pytest.raises(InputError, match="set tokenizer.init_from"):
         run(tiny_params(max_steps=1, init_from=str(other_tok)), inputs, tmp_path / "f")
+    # A checkpoint of the run's own folder: refused, and not pruned as another run's.
+    own = tmp_path / "a" / "step-000010.pt"
+    with pytest.raises(InputError, match=r"train.init_from: .*step-000010.pt is inside "
+                                         r".*which this run prunes; copy it elsewhere"):
+        run(tiny_params(max_steps=1, init_from=str(own)), inputs, tmp_path / "a")
+    assert own.is_file()
+    # From another folder, a full checkpoint is a source like a model dir.
+    run(tiny_params(max_steps=1, eval_every=0, init_from=str(own)), inputs, tmp_path / "h")
+    bare = tmp_path / "bare.safetensors"
+    bare.write_bytes((saved / "model.safetensors").read_bytes())
+    with pytest.raises(InputError, match=r"^train.init_from: .*bare.safetensors"):
+        run(tiny_params(max_steps=1, init_from=str(bare)), inputs, tmp_path / "i")
     with pytest.raises(InputError, match="(?i)init_from: .*nothing.*: no such file or directory"):
         run(tiny_params(max_steps=1, init_from=str(tmp_path / "nothing")), inputs,
             tmp_path / "g")
@@ -515,6 +527,37 @@ def test_compile_auto_falls_back_to_eager_when_the_first_step_fails(inputs, tmp_
     eager = run(tiny_params(max_steps=6, eval_every=0), inputs, tmp_path / "b")
     for name, tensor in eager.model.state_dict().items():
         assert torch.equal(fell_back.model.state_dict()[name], tensor), name
-    # Asked for explicitly, a failing compile is an error, not a silent fallback.
-    with pytest.raises(TorchDynamoException):
+    # Asked for explicitly, a failing compile is a one-line error, not a silent fallback.
+    with pytest.raises(LmforgeError, match=r"^train.compile: true, but torch.compile failed "
+                                           r"\(C\+\+ compile error: omp.h: No such file\); "
+                                           r"set train.compile to auto or false$"):
         run(tiny_params(max_steps=6, eval_every=0, compile=True), inputs, tmp_path / "c")
+
+
+def test_fp16_overflow_that_never_ends_stops_the_run():
+    from lmforge.train.loop import FP16_OVERFLOW_LIMIT, _check_fp16_overflow
+    from lmforge.train.precision import Precision
+
+    class Scaler:
+        def get_scale(self):
+            return 2.0 ** -14
+
+    fp16, fp32, inf = Precision("fp16", "cuda"), Precision("fp32", "cpu"), float("inf")
+    assert _check_fp16_overflow(2.0, inf, fp32, Scaler(), 5, 1) == 0
+    assert _check_fp16_overflow(2.0, 1.0, fp16, Scaler(), 5, 1) == 0  # a good step resets
+    assert _check_fp16_overflow(inf, inf, fp16, Scaler(), 5, 1) == 0  # the NaN guard's case
+    streak = 0
+    for step in range(1, FP16_OVERFLOW_LIMIT):
+        streak = _check_fp16_overflow(2.0, inf, fp16, Scaler(), streak, step)
+    assert streak == FP16_OVERFLOW_LIMIT - 1
+    with pytest.raises(LmforgeError, match=r"fp16 gradients overflowed 30 steps in a row .*"
+                                           r"loss scale now 6.1e-05.*bf16 or fp32"):
+        _check_fp16_overflow(2.0, inf, fp16, Scaler(), streak, FP16_OVERFLOW_LIMIT)
+
+
+def test_init_from_the_stage_output_is_refused(tmp_path):
+    from lmforge.train.pipeline import run_train_stage
+
+    paths = TrainPaths().under(tmp_path)
+    with pytest.raises(InputError, match=r"is inside .*final, an output of this stage"):
+        run_train_stage(tiny_params(init_from=str(paths.final)), paths)

@@ -500,7 +500,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         return _coerce(inner[0], value, key)
     if origin is Literal:
         choices = get_args(tp)
-        if value not in choices:
+        # Typed: 0 and 1 equal False and True, but are not the booleans a key allows.
+        if not any(value == c and type(value) is type(c) for c in choices):
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise ConfigError(

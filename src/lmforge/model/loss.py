@@ -55,20 +55,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                label_smoothing: float, z_loss: float, chunk: int) -> torch.Tensor:
+                label_smoothing: float, z_loss: float, chunk: int,
+                grads: tuple[bool, bool]) -> torch.Tensor:
         dtype = _compute_dtype(x)
         xd, wd = x.detach().to(dtype), weight.detach().to(dtype)
-        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        grad_x = torch.empty_like(xd) if need_grad else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
+        want_x, want_w = grads
+        grad_x = torch.empty_like(xd) if want_x else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+        vocab = weight.size(0)
         valid = targets != IGNORE_INDEX
+        # A target outside the vocabulary makes the loss NaN (the loop's non-finite
+        # guard reports it) instead of an index error deep in a kernel, with no host sync.
+        invalid = valid & ((targets < 0) | (targets >= vocab))
+        valid = valid & ~invalid
         count = valid.sum()
         # Gradients are kept per token (not yet divided by the count) so they stay well
         # inside fp16/bf16 range; backward applies 1/count with the incoming gradient.
         keep = valid.float()
         inv_count = 1.0 / count.clamp(min=1).float()
-        safe_targets = targets.clamp(min=0).unsqueeze(1)
-        smooth, vocab = label_smoothing, weight.size(0)
+        safe_targets = torch.where(valid, targets, 0).unsqueeze(1)
+        smooth = label_smoothing
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         for start in range(0, x.size(0), chunk):
             rows = slice(start, start + chunk)
@@ -86,7 +92,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if z_loss > 0:
                 row_loss = row_loss + z_loss * lse.square()
             total += (row_loss * kept).sum()
-            if not need_grad:
+            if not (want_x or want_w):
                 continue
             # d(row loss)/d(logits) = softmax (1 + 2 z lse) - (1 - eps) onehot - eps / V.
             coef = kept / norm.squeeze(1)
@@ -96,26 +102,35 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if smooth > 0:
                 grad.sub_((smooth / vocab) * kept.unsqueeze(1))
             grad.scatter_add_(1, tc, (-(1 - smooth) * kept).unsqueeze(1))
-            grad = grad.to(dtype)
-            torch.mm(grad, wd, out=grad_x[rows])
-            if dtype == torch.float32:
-                grad_w.addmm_(grad.t(), xc)
-            else:
-                grad_w += torch.mm(grad.t(), xc).float()
+            low = grad if dtype == torch.float32 else grad.to(dtype)
+            if want_x:
+                torch.mm(low, wd, out=grad_x[rows])
+            if want_w:
+                if dtype == torch.float32:
+                    grad_w.addmm_(grad.t(), xc)
+                elif dtype == torch.float16:
+                    # A frequent target over a whole chunk can sum past fp16's 65504
+                    # before any loss scale applies: this product is taken in fp32.
+                    grad_w.addmm_(grad.t(), xc.float())
+                else:  # bf16 has fp32's range
+                    grad_w += torch.mm(low.t(), xc).float()
         # With no valid target the loss is NaN, as in F.cross_entropy.
-        loss = torch.where(count > 0, total * inv_count, torch.full_like(total, float("nan")))
+        nan = torch.full_like(total, float("nan"))
+        loss = torch.where((count > 0) & ~invalid.any(), total * inv_count, nan)
         ctx.save_for_backward(grad_x, grad_w, inv_count)
         ctx.dtypes = (x.dtype, weight.dtype)
         return loss
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the gradients are constants here
     def backward(ctx, grad_loss: torch.Tensor):  # noqa: ANN205 (autograd's signature)
         grad_x, grad_w, inv_count = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        factor = grad_loss * inv_count
-        gx = (grad_x * factor).to(x_dtype) if ctx.needs_input_grad[0] else None
-        gw = (grad_w * factor).to(w_dtype) if ctx.needs_input_grad[1] else None
-        return gx, gw, None, None, None, None
+        factor = grad_loss.float() * inv_count
+        # Scaled in fp32, then cast: one rounding, no half-precision overflow.
+        gx = (grad_x.float() * factor).to(x_dtype) if grad_x is not None else None
+        gw = (grad_w * factor).to(w_dtype) if grad_w is not None else None
+        return gx, gw, None, None, None, None, None
 
 
 @torch.compiler.disable  # a Python loop over chunks: keep it out of compiled graphs
@@ -133,5 +148,9 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     if chunk_tokens is None:
         budget = CHUNK_ELEMENTS.get(x.device.type, CHUNK_ELEMENTS["cuda"])
         chunk_tokens = max(1, budget // weight.size(0))
+    # Under no_grad / inference_mode the Function still sees requires_grad inputs:
+    # decide here, so evaluation pays for the loss only.
+    grad_on = torch.is_grad_enabled()
+    grads = (grad_on and x.requires_grad, grad_on and weight.requires_grad)
     return _LinearCrossEntropy.apply(flat_x, weight, flat_t, float(label_smoothing),
-                                     float(z_loss), int(chunk_tokens))
+                                     float(z_loss), int(chunk_tokens), grads)

@@ -21,11 +21,12 @@ class _RMSNorm(torch.autograd.Function):
         # One read pass: the norm, not square() then mean().
         norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
         rstd = torch.rsqrt(norm.square() / x.size(-1) + eps)
-        y = (xf * rstd).mul_(weight).to(torch.result_type(x, weight))
+        y = (xf * rstd).mul_(weight).to(x.dtype)  # the input's dtype, as nn.RMSNorm
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN205 (autograd's signature)
         x, weight, rstd = ctx.saved_tensors
         xhat = (x.float() if x.dtype in (torch.float16, torch.bfloat16) else x) * rstd
@@ -46,6 +47,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # Rotate-half pairs (x1, x2) = the two halves: (x1 c - x2 s, x2 c + x1 s), written
     # straight into the two halves of the output (no cat, no negated copy).
+    if x.dtype in (torch.float16, torch.bfloat16):  # one rounding, as the plain formula
+        return _rotate(x.float(), cos, sin).to(x.dtype)
     half = x.size(-1) // 2
     x1, x2 = x[..., :half], x[..., half:]
     out = torch.empty(torch.broadcast_shapes(x.shape, cos.shape[:-1] + (x.size(-1),)),
@@ -65,6 +68,7 @@ class _Rope(torch.autograd.Function):
         return _rotate(x, cos, sin)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN205 (autograd's signature)
         cos, sin = ctx.saved_tensors
         return _rotate(grad, cos, -sin), None, None  # a rotation's inverse: the angle negated

@@ -35,6 +35,8 @@ NON_RUN_KEYS = frozenset({
     "probe_micro_batch",
     # The same step computed by other kernels (equal up to float rounding).
     "compile", "fused_loss", "activation_checkpointing",
+    # Where the initial weights lie; their sha256 is fingerprinted instead.
+    "init_from",
 })
 _REQUIRED = ("format", "fingerprint", "step", "model", "optimizer", "ranks", "progress")
 

@@ -32,7 +32,7 @@ from lmforge.train.precision import Precision, resolve_precision
 from lmforge.train.probe import probe_micro_batch
 from lmforge.train.schedule import lr_at
 from lmforge.train.telemetry import NullRun, format_duration, memory_mb, open_run, peak_flops
-from lmforge.train.warm_start import warm_start, weights_sha256
+from lmforge.train.warm_start import ensure_outside, warm_start, weights_sha256
 
 
 @dataclass
@@ -108,6 +108,8 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     doc_info = {"return_doc_info": True} if mcfg.doc_mask else {}
     loader = data.make_loader(data.train, mcfg.seq_len, micro_batch, cfg.seed,
                               rank=env.rank, world_size=env.world_size, **doc_info)
+    if cfg.init_from:  # the resume scan below removes other runs' checkpoints
+        ensure_outside(cfg.init_from, checkpoint_dir, "which this run prunes")
     fp = ckpt.fingerprint(mcfg, cfg, env.world_size, data.train.manifest, data.val.manifest,
                           tokenizer_sha256,
                           weights_sha256(cfg.init_from) if cfg.init_from else None)
@@ -149,7 +151,8 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
             + f", {how}")
     t0 = time.perf_counter()
     interval = _Interval(start_step=step, loss_sum=progress.loss_sum, loss_n=progress.loss_n)
-    bad_streak, last_good_ckpt = 0, progress.resumed_from
+    bad_streak, overflow_streak, last_good_ckpt = 0, 0, progress.resumed_from
+    first_compiled_step = compiled
     status = "FAILED"
     try:
         while step < cfg.max_steps:
@@ -161,18 +164,24 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
                                                       precision, loader, accum, cfg.grad_clip,
                                                       env)
             except TorchDynamoException as e:
-                if fallback is None:
+                if fallback is None and not first_compiled_step:
                     raise
-                reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e)
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                if fallback is None:  # compile: true
+                    raise LmforgeError(f"train.compile: true, but torch.compile failed "
+                                       f"({reason}); set train.compile to auto or false"
+                                       ) from None
                 log(f"train: torch.compile failed ({reason}); training eager")
                 loader.load_state_dict(fallback[0])
                 ckpt.restore_rng(fallback[1], device)
                 optimizer.zero_grad(set_to_none=True)
-                step_model, fallback = eager_model, None
+                step_model, fallback, first_compiled_step = eager_model, None, False
                 continue
-            fallback = None
+            fallback, first_compiled_step = None, False
             step += 1
             tokens_seen += tokens_per_step
+            overflow_streak = _check_fp16_overflow(loss_val, grad_norm, precision, scaler,
+                                                   overflow_streak, step)
             if math.isfinite(loss_val) and math.isfinite(grad_norm):
                 bad_streak = 0
                 interval.loss_sum += loss_val
@@ -233,6 +242,25 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
 
 def _silent(_: str) -> None:
     pass
+
+
+# GradScaler halves its scale at each overflow; this many in a row (65536 -> 2^-14) means
+# the gradients overflow fp16 whatever the scale, and training has stopped updating.
+FP16_OVERFLOW_LIMIT = 30
+
+
+def _check_fp16_overflow(loss: float, grad_norm: float, precision: Precision,
+                         scaler: torch.amp.GradScaler, streak: int, step: int) -> int:
+    """Count consecutive fp16 overflow skips; stop the run when they never end."""
+    if precision.name != "fp16" or not math.isfinite(loss) or math.isfinite(grad_norm):
+        return 0
+    streak += 1
+    if streak >= FP16_OVERFLOW_LIMIT:
+        raise LmforgeError(
+            f"train: fp16 gradients overflowed {streak} steps in a row (step {step}, loss "
+            f"scale now {scaler.get_scale():.3g}); the updates have stopped. Use "
+            "train.precision: bf16 or fp32, or lower train.max_lr")
+    return streak
 
 
 @dataclass

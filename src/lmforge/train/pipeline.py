@@ -13,6 +13,7 @@ from lmforge.model.saved import save_model
 from lmforge.shards.format import file_sha256
 from lmforge.train import distributed
 from lmforge.train.loop import TrainResult, open_shard_data, train
+from lmforge.train.warm_start import ensure_outside
 
 TSV_COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens_per_sec")
 # Val loss is measured every eval_every steps only: a file of its own, so that plots draw
@@ -45,6 +46,8 @@ def run_train_stage(params: Params, paths: TrainPaths, module: str = "stages.tra
         if code:
             raise LmforgeError(f"train: torchrun exited with status {code}")
         return
+    if params.train.init_from:  # DVC deletes a stage's outputs before it runs it
+        ensure_outside(params.train.init_from, paths.final, "an output of this stage")
     env = distributed.setup(params.train.device, params.train.num_threads)
     try:
         if not paths.tokenizer.is_file():

@@ -25,6 +25,14 @@ from lmforge.model.saved import WEIGHTS, load_model
 _FREE = {"seq_len", "dropout", "doc_mask"}
 
 
+def ensure_outside(source: str | Path, directory: str | Path, why: str) -> None:
+    """One-line error when ``source`` lies in ``directory`` (a folder the run rewrites)."""
+    src, d = Path(source).resolve(), Path(directory).resolve()
+    if src == d or d in src.parents:
+        raise InputError(f"train.init_from: {source} is inside {directory}, {why}; copy it "
+                         "elsewhere (e.g. models/base) and point train.init_from there")
+
+
 def weights_sha256(source: str | Path) -> str:
     """sha256 of the source's weights file: part of the run fingerprint."""
     path = Path(source)
@@ -44,7 +52,10 @@ def warm_start(model: Llama, source: str | Path, tokenizer_sha256: str) -> str:
     source = Path(source)
     if not source.exists():
         raise InputError(f"train.init_from: {source}: no such file or directory")
-    init, config = load_model(source)
+    try:
+        init, config = load_model(source)
+    except InputError as e:  # e.g. a light snapshot or a bare safetensors file
+        raise InputError(f"train.init_from: {e}") from None
     _check_architecture(model.config, model.vocab_size, init.config, init.vocab_size, source)
     theirs = config.get("tokenizer_sha256")
     if theirs and tokenizer_sha256 and theirs != tokenizer_sha256:
