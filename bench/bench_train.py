@@ -45,7 +45,7 @@ from lmforge.shards.loader import ShardSet, WindowLoader
 from lmforge.shards.writer import write_shards
 from lmforge.train.compiler import resolve_compile
 from lmforge.train.distributed import DistEnv
-from lmforge.train.loop import _optimizer_step
+from lmforge.train.loop import _optimizer_step, make_reproducible
 from lmforge.train.optim import build_optimizer
 from lmforge.train.precision import Precision
 from lmforge.train.schedule import lr_at
@@ -84,6 +84,7 @@ class Ours:
         self.flops_per_token = self.model.flops_per_token()
 
     def train_step(self) -> float:
+        make_reproducible(CPU.device)  # as the loop runs (nanoGPT's step switches it off)
         lr = lr_at(self.step, self.cfg)
         for group in self.opt.param_groups:
             group["lr"] = lr
@@ -132,6 +133,7 @@ class NanoGPT:
         return min_lr + 0.5 * (1.0 + np.cos(np.pi * ratio)) * (lr - min_lr)
 
     def train_step(self) -> float:
+        torch.use_deterministic_algorithms(False)  # PyTorch's default, as train.py runs
         for group in self.opt.param_groups:
             group["lr"] = self.get_lr(self.iter)
         for _ in range(self.accum):

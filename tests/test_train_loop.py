@@ -231,7 +231,8 @@ def stage_repo(root: Path) -> Path:
     params["model"] = {"n_layer": 2, "n_head": 4, "n_embd": 64, "seq_len": 32}
     params["train"] = {"max_steps": 30, "micro_batch_size": 4, "max_lr": 3e-3, "warmup": 3,
                        "log_every": 5, "eval_every": 10, "eval_batches": 2, "ckpt_every": 5,
-                       "keep_last": 2, "num_threads": 1}
+                       # Two threads: parallel kernels must still give the same bits.
+                       "keep_last": 2, "num_threads": 2}
     (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
     (root / "runner.py").write_text(_RUNNER, encoding="utf-8")
     return root

@@ -93,6 +93,7 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
                          f"{data.val.vocab_size}; rebuild the shards")
     log = log if env.is_main else _silent
 
+    make_reproducible(device)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = Llama(mcfg, vocab).to(device)
     model.label_smoothing, model.z_loss = cfg.label_smoothing, cfg.z_loss
@@ -242,6 +243,18 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
 
 def _silent(_: str) -> None:
     pass
+
+
+def make_reproducible(device: torch.device) -> None:
+    """On CPU, deterministic kernels: a resumed run ends bit-identical to an unbroken one.
+
+    Without it, parallel kernels that accumulate with atomics (Inductor's embedding
+    backward, among others) sum in thread order, and two runs drift apart from the first
+    step. Measured on the bench model: no slower (bench/RESULTS.md). CUDA keeps its fast
+    non-deterministic kernels (flash attention's backward has no deterministic twin).
+    """
+    if device.type == "cpu":
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 # GradScaler halves its scale at each overflow; this many in a row (65536 -> 2^-14) means
