@@ -137,10 +137,10 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     compiled, how = resolve_compile(cfg.compile, device)
     if compiled:
         step_model = torch.compile(step_model)
-    # With compile: auto, a toolchain that fails at the first step (Inductor compiles
-    # lazily) falls back to eager from the same loader position and RNG state.
+    # Inductor compiles lazily, so a broken toolchain shows at the first step: keep what
+    # it changes, so compile: auto can retry that step eager from the same point.
     fallback = ((copy.deepcopy(loader.state_dict()), ckpt.capture_rng(device))
-                if compiled and cfg.compile == "auto" else None)
+                if compiled else None)
 
     run = open_run(params, progress.run_id) if (track and env.is_main) else NullRun()
     tokens_per_step = micro_batch * mcfg.seq_len * accum * env.world_size
@@ -153,7 +153,6 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     t0 = time.perf_counter()
     interval = _Interval(start_step=step, loss_sum=progress.loss_sum, loss_n=progress.loss_n)
     bad_streak, overflow_streak, last_good_ckpt = 0, 0, progress.resumed_from
-    first_compiled_step = compiled
     status = "FAILED"
     try:
         while step < cfg.max_steps:
@@ -165,10 +164,10 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
                                                       precision, loader, accum, cfg.grad_clip,
                                                       env)
             except TorchDynamoException as e:
-                if fallback is None and not first_compiled_step:
+                if fallback is None:  # not the first compiled step
                     raise
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-                if fallback is None:  # compile: true
+                if cfg.compile is True:
                     raise LmforgeError(f"train.compile: true, but torch.compile failed "
                                        f"({reason}); set train.compile to auto or false"
                                        ) from None
@@ -176,9 +175,9 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
                 loader.load_state_dict(fallback[0])
                 ckpt.restore_rng(fallback[1], device)
                 optimizer.zero_grad(set_to_none=True)
-                step_model, fallback, first_compiled_step = eager_model, None, False
+                step_model, fallback = eager_model, None
                 continue
-            fallback, first_compiled_step = None, False
+            fallback = None
             step += 1
             tokens_seen += tokens_per_step
             overflow_streak = _check_fp16_overflow(loss_val, grad_norm, precision, scaler,
