@@ -7,7 +7,6 @@ run in MLflow.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -16,15 +15,14 @@ import torch
 from lmforge.config import Params
 from lmforge.errors import InputError
 from lmforge.evaluate import samples_markdown, score_split
+from lmforge.evaluate.tracking import log_to_mlflow
 from lmforge.io import write_json, write_text
 from lmforge.model import load_model
 from lmforge.shards.loader import ShardSet
-from lmforge.stage import repo_root, run_stage
+from lmforge.stage import run_stage
 from lmforge.tokenizer import Tokenizer
-from lmforge.tracking import resume_run
 
 FINAL = Path("models/final")
-DATA_METRICS = ("ingest", "filter", "dedup", "mix", "tokenizer", "shards")
 
 
 def main(params: Params) -> None:
@@ -58,39 +56,9 @@ def main(params: Params) -> None:
         {"domain": name, "bits_per_byte": d["bits_per_byte"], "loss": d["loss"]}
         for name, d in sorted(val["domains"].items())
     ])
-    log_to_mlflow(results, samples)
+    log_to_mlflow(results, samples, FINAL)
     print(f"evaluate: val loss {val['loss']:.4f}, ppl {val['perplexity']:.2f}, "
           f"bits/byte {val['bits_per_byte']:.4f} over {val['tokens']:,} tokens")
-
-
-def log_to_mlflow(results: dict, samples: str) -> None:
-    """Attach the evaluation (and the data stages' counts) to the training run."""
-    run_file = FINAL / "run.json"
-    run_id = json.loads(run_file.read_text()).get("mlflow_run_id") if run_file.is_file() else None
-    if not run_id:
-        print("evaluate: no MLflow run recorded by the train stage; not logging")
-        return
-    run = resume_run(run_id, repo_root())
-    metrics = {f"eval/val_{k}": v for k, v in results["val"].items() if k != "domains"}
-    for domain, d in results["val"]["domains"].items():
-        metrics[f"eval/val_bits_per_byte/{domain}"] = d["bits_per_byte"]
-        metrics[f"eval/val_loss/{domain}"] = d["loss"]
-    if "train" in results:
-        metrics["eval/train_loss"] = results["train"]["loss"]
-        metrics["eval/train_val_gap"] = results["train_val_gap"]
-    for stage in DATA_METRICS:
-        path = Path("metrics") / f"{stage}.json"
-        if path.is_file():
-            data = json.loads(path.read_text(encoding="utf-8"))
-            run.log_dict(data, f"data/{stage}.json")
-            domains = data.get("domains")
-            for domain, m in (domains.items() if isinstance(domains, dict) else ()):
-                if isinstance(m, dict) and "kept" in m:
-                    metrics[f"data/{stage}_kept/{domain}"] = m["kept"]
-    run.log_metrics(metrics, step=0)
-    run.log_dict(results, "eval/eval.json")
-    run.log_text(samples, "eval/samples.md")
-    run.finish("FINISHED")
 
 
 if __name__ == "__main__":
