@@ -208,12 +208,110 @@ def test_export_refuses_to_replace_a_folder_that_holds_no_model(tmp_path, sp_pat
     keep = tmp_path / "mine"
     keep.mkdir()
     (keep / "notes.txt").write_text("precious")
-    with pytest.raises(InputError, match="not a model folder"):
+    with pytest.raises(InputError, match="not an earlier lmforge export"):
         export_hf(src, keep)
     assert (keep / "notes.txt").read_text() == "precious"
     (src / "tokenizer.model").write_bytes(b"changed")
     with pytest.raises(InputError, match="does not match the tokenizer"):
         export_hf(src, tmp_path / "hf")
+
+
+def _precious_model_folder(path: Path) -> Path:
+    """A folder the user made that merely holds a config.json (someone's own HF model)."""
+    path.mkdir()
+    (path / "config.json").write_text('{"model_type": "llama"}')
+    (path / "notes.txt").write_text("precious")
+    return path
+
+
+def test_export_never_replaces_a_folder_just_because_it_holds_config_json(tmp_path, sp_path):
+    src = make_model_dir(tmp_path / "final", sp_path)
+    keep = _precious_model_folder(tmp_path / "their-model")
+    with pytest.raises(InputError) as err:
+        export_hf(src, keep)
+    msg = str(err.value)
+    assert "\n" not in msg and str(keep) in msg and "--force" in msg
+    assert (keep / "notes.txt").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "their-model"]  # no temp left
+
+
+def test_export_replaces_an_empty_folder_an_earlier_export_or_with_force(tmp_path, sp_path):
+    src = make_model_dir(tmp_path / "final", sp_path)
+    (tmp_path / "hf").mkdir()
+    out = export_hf(src, tmp_path / "hf")  # empty: fine
+    marker = json.loads((out / ".lmforge-export").read_text())
+    assert marker["tool"] == "lmforge" and marker["command"] == "export hf"
+    assert marker["source"] == str(src) and marker["version"] and marker["time"]
+    (out / "stale.bin").write_bytes(b"from the earlier export")
+    export_hf(src, out)  # an earlier export: replaced whole
+    assert not (out / "stale.bin").exists() and (out / "model.safetensors").is_file()
+    keep = _precious_model_folder(tmp_path / "their-model")
+    export_hf(src, keep, force=True)
+    assert not (keep / "notes.txt").exists() and (keep / ".lmforge-export").is_file()
+
+
+def test_export_with_force_still_never_replaces_its_own_input(tmp_path, sp_path):
+    src = make_model_dir(tmp_path / "work" / "final", sp_path)
+    with pytest.raises(InputError, match="output folder is the input folder"):
+        export_hf(src, src, force=True)
+    with pytest.raises(InputError, match="holds the input"):
+        export_hf(src, tmp_path / "work", force=True)
+    assert (src / "model.safetensors").is_file()
+
+
+def test_import_never_replaces_a_trained_model_or_a_foreign_folder(tmp_path, sp_path):
+    src = hf_checkpoint(tmp_path / "hf", sp_path, tie=True)
+    trained = make_model_dir(tmp_path / "final", sp_path)  # the train stage's output: no marker
+    weights = (trained / "model.safetensors").read_bytes()
+    for target in (trained, _precious_model_folder(tmp_path / "their-model")):
+        with pytest.raises(InputError) as err:
+            import_hf(src, target)
+        assert str(target) in str(err.value) and "--force" in str(err.value)
+    assert (trained / "model.safetensors").read_bytes() == weights
+    assert (tmp_path / "their-model" / "notes.txt").read_text() == "precious"
+
+
+def test_import_replaces_an_earlier_import_or_export_or_with_force(tmp_path, sp_path):
+    src = hf_checkpoint(tmp_path / "hf", sp_path, tie=True)
+    out = import_hf(src, tmp_path / "base")
+    marker = json.loads((out / ".lmforge-export").read_text())
+    assert marker["tool"] == "lmforge" and marker["command"] == "import hf"
+    assert marker["source"] == str(src)
+    assert load_model(out)[0].num_params() > 0
+    import_hf(src, out, seq_len=32)  # an earlier import: replaced
+    assert load_model(out)[0].config.seq_len == 32
+    exported = export_hf(out, tmp_path / "exported")
+    import_hf(src, exported)  # an earlier export is ours too
+    assert not (exported / "generation_config.json").exists()
+    trained = make_model_dir(tmp_path / "final", sp_path)
+    import_hf(src, trained, force=True)
+    assert json.loads((trained / ".lmforge-export").read_text())["command"] == "import hf"
+
+
+def test_import_cli_needs_out_and_passes_force(tmp_path, sp_path, capsys):
+    parser = argparse.ArgumentParser(prog="lmforge")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_export_parser(sub)
+    add_import_parser(sub)
+    with pytest.raises(SystemExit):  # no default: models/final is the train stage's output
+        parser.parse_args(["import", "hf", str(tmp_path / "hf")])
+    assert "--out" in capsys.readouterr().err
+    src = hf_checkpoint(tmp_path / "hf", sp_path, tie=True)
+    keep = _precious_model_folder(tmp_path / "their-model")
+    args = parser.parse_args(["import", "hf", str(src), "--out", str(keep)])
+    with pytest.raises(InputError):
+        args.func(args)
+    args = parser.parse_args(["import", "hf", str(src), "--out", str(keep), "--force"])
+    args.func(args)
+    assert not (keep / "notes.txt").exists()
+    keep = _precious_model_folder(tmp_path / "other")
+    args = parser.parse_args(["export", "hf", str(keep), "--model", str(tmp_path / "their-model")])
+    with pytest.raises(InputError):
+        args.func(args)
+    args = parser.parse_args(["export", "hf", str(keep), "--model", str(tmp_path / "their-model"),
+                              "--force"])
+    args.func(args)
+    assert not (keep / "notes.txt").exists()
 
 
 def test_cli_parsers_run_export_then_import(tmp_path, sp_path, capsys):

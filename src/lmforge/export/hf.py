@@ -5,6 +5,10 @@ Our model dir (``models/final``) holds ``model.safetensors``, ``config.json`` an
 ``model.safetensors`` (or shards + ``model.safetensors.index.json``),
 ``generation_config.json`` and tokenizer files. The weights are the same tensors under
 other names, so both directions are exact.
+
+Both commands write a marker file (``.lmforge-export``) into their output folder, and
+replace an existing folder only when it is empty or holds that marker: a folder the user
+made, or the train stage's ``models/final``, is never deleted unless they pass --force.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from lmforge import __version__
 from lmforge.errors import InputError
 from lmforge.export.hf_config import from_hf_config, to_hf_config
 from lmforge.export.hf_names import our_name, to_hf_state
@@ -28,12 +34,18 @@ from lmforge.model.llama import Llama
 from lmforge.model.saved import CONFIG, WEIGHTS, load_model, model_state, save_model
 
 HF_INDEX = "model.safetensors.index.json"
+# Written by export and import alike: the one proof that a folder is ours to replace.
+MARKER = ".lmforge-export"
 
 
-def export_hf(model_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write ``model_dir`` (ours) as a Hugging Face Llama folder at ``out_dir``; return it."""
+def export_hf(model_dir: str | Path, out_dir: str | Path, *, force: bool = False) -> Path:
+    """Write ``model_dir`` (ours) as a Hugging Face Llama folder at ``out_dir``; return it.
+
+    An existing ``out_dir`` is replaced only when it is empty or an earlier lmforge
+    export/import, or when ``force`` is set.
+    """
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    _check_writable(out_dir, model_dir)
+    _check_writable(out_dir, model_dir, force)
     model, config = load_model(model_dir)
     sp_path = model_dir / TOKENIZER_MODEL
     if not sp_path.is_file():
@@ -50,6 +62,7 @@ def export_hf(model_dir: str | Path, out_dir: str | Path) -> Path:
         write_json(tmp / CONFIG, to_hf_config(model.config, model.vocab_size, special, dtype))
         write_json(tmp / "generation_config.json", _generation_config(special))
         write_hf_tokenizer(sp_path, tmp, special, model.config.seq_len)
+        _write_marker(tmp, "export hf", model_dir)
     return out_dir
 
 
@@ -59,15 +72,18 @@ def _generation_config(special: dict[str, int]) -> dict[str, Any]:
     return {**ids, "do_sample": True, "temperature": 0.8, "top_k": 50}
 
 
-def import_hf(in_dir: str | Path, out_dir: str | Path, seq_len: int | None = None) -> Path:
+def import_hf(in_dir: str | Path, out_dir: str | Path, seq_len: int | None = None, *,
+              force: bool = False) -> Path:
     """Convert a Hugging Face Llama folder into our model dir format at ``out_dir``; return it.
 
     ``seq_len`` caps the context (default: the checkpoint's ``max_position_embeddings``).
     The weights are stored in fp32, as training keeps them. A ``tokenizer.model`` in
     ``in_dir`` is copied along; without one the special ids come from config.json.
+    An existing ``out_dir`` is replaced only when it is empty or an earlier lmforge
+    export/import, or when ``force`` is set.
     """
     in_dir, out_dir = Path(in_dir), Path(out_dir)
-    _check_writable(out_dir, in_dir)
+    _check_writable(out_dir, in_dir, force)
     cfg_path = in_dir / CONFIG
     hf = _read_json(cfg_path)
     cfg, vocab_size = from_hf_config(hf, str(cfg_path), seq_len)
@@ -87,7 +103,11 @@ def import_hf(in_dir: str | Path, out_dir: str | Path, seq_len: int | None = Non
     extra: dict[str, Any] = {"special_ids": special, "source": {"hf": str(in_dir.resolve())}}
     if tokenizer is not None:
         extra["tokenizer_sha256"] = _sha256(tokenizer)
-    save_model(model, out_dir, tokenizer, **extra)
+    # save_model writes the folder the train stage writes; the outer atomic_dir adds the
+    # marker and swaps model and marker into place together, so neither appears alone.
+    with atomic_dir(out_dir) as tmp:
+        save_model(model, tmp, tokenizer, **extra)
+        _write_marker(tmp, "import hf", in_dir)
     return out_dir
 
 
@@ -159,14 +179,37 @@ def _special_ids(hf: dict[str, Any], tokenizer: Path | None) -> dict[str, int]:
             "pad": first(hf.get("pad_token_id")), "unk": -1}
 
 
-def _check_writable(out_dir: Path, src: Path) -> None:
-    """Refuse to replace the source, or a non-empty folder that holds no model."""
-    if out_dir.resolve() == src.resolve():
+def _check_writable(out_dir: Path, src: Path, force: bool) -> None:
+    """Refuse to replace the input, or (unless forced) a folder lmforge did not write."""
+    out, inp = out_dir.resolve(), src.resolve()
+    # Replacing these would delete the input itself: --force does not cover that.
+    if out == inp:
         raise InputError(f"{out_dir}: output folder is the input folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / CONFIG).is_file():
-        raise InputError(f"{out_dir}: exists and is not a model folder; refusing to replace it")
+    if out in inp.parents:
+        raise InputError(f"{out_dir}: output folder holds the input {src}; choose another path")
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"{out_dir}: exists and is not a folder")
+    if force or not out_dir.exists() or not any(out_dir.iterdir()) or _is_ours(out_dir):
+        return
+    raise InputError(f"{out_dir}: exists and is not an earlier lmforge export (no {MARKER}); "
+                     "refusing to replace it: pass --force, or choose another path")
+
+
+def _is_ours(directory: Path) -> bool:
+    """Whether ``directory`` holds the marker an earlier ``export hf``/``import hf`` wrote."""
+    try:
+        marker = json.loads((directory / MARKER).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(marker, dict) and marker.get("tool") == "lmforge"
+
+
+def _write_marker(directory: Path, command: str, source: Path) -> None:
+    """Record in ``directory`` that lmforge wrote it (and may replace it next time)."""
+    # The source path as the user gave it: an absolute path would leak into uploads.
+    write_json(directory / MARKER, {
+        "tool": "lmforge", "version": __version__, "command": command, "source": str(source),
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -187,33 +230,42 @@ def _sha256(path: Path) -> str:
 
 def cmd_export(args: argparse.Namespace) -> None:
     """``lmforge export hf OUT_DIR``."""
-    out = export_hf(args.model, args.out_dir)
+    out = export_hf(args.model, args.out_dir, force=args.force)
     print(f"exported {args.model} -> {out} (transformers.LlamaForCausalLM.from_pretrained)")
 
 
 def cmd_import(args: argparse.Namespace) -> None:
-    """``lmforge import hf IN_DIR``."""
-    out = import_hf(args.in_dir, args.out, seq_len=args.seq_len)
+    """``lmforge import hf IN_DIR --out DIR``."""
+    out = import_hf(args.in_dir, args.out, seq_len=args.seq_len, force=args.force)
     print(f"imported {args.in_dir} -> {out}")
 
 
 def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``export hf OUT_DIR [--model DIR]``."""
+    """Register ``export hf OUT_DIR [--model DIR] [--force]``."""
     export = subparsers.add_parser("export", help="export a trained model to another format")
     formats = export.add_subparsers(dest="format", required=True)
     hf = formats.add_parser("hf", help="Hugging Face Llama format (LlamaForCausalLM)")
-    hf.add_argument("out_dir", help="folder to write (replaced if it holds a model)")
+    hf.add_argument("out_dir", help="folder to write (replaced only if empty or an earlier "
+                                    "export/import)")
     hf.add_argument("--model", default="models/final", help="our model folder")
+    hf.add_argument("--force", action="store_true",
+                    help="replace OUT_DIR even if lmforge did not write it")
     hf.set_defaults(func=cmd_export)
 
 
 def add_import_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``import hf IN_DIR [--out DIR] [--seq-len N]``."""
+    """Register ``import hf IN_DIR --out DIR [--seq-len N] [--force]``."""
     imp = subparsers.add_parser("import", help="import a model from another format")
     formats = imp.add_subparsers(dest="format", required=True)
     hf = formats.add_parser("hf", help="a Hugging Face Llama-format folder")
     hf.add_argument("in_dir", help="folder with config.json + safetensors")
-    hf.add_argument("--out", default="models/final", help="our model folder to write")
+    # No default: the old one, models/final, is the train stage's output, which DVC
+    # deletes before training and train.init_from refuses; the user names the folder.
+    hf.add_argument("--out", required=True,
+                    help="our model folder to write, e.g. models/base (replaced only if "
+                         "empty or an earlier export/import)")
+    hf.add_argument("--force", action="store_true",
+                    help="replace --out even if lmforge did not write it")
     hf.add_argument("--seq-len", type=int, default=None,
                     help="context length (default: max_position_embeddings)")
     hf.set_defaults(func=cmd_import)
