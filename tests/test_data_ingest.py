@@ -208,3 +208,60 @@ def test_hf_parquet_layout_with_content_column(tmp_path):
     _, docs, _ = _ingest(tmp_path, src)
     assert docs.column("text").to_pylist() == [f"{GOOD} 0", f"{GOOD} 1"]
     assert docs.column("id").to_pylist()[0].endswith("train-00000-of-00002.parquet:0")
+
+
+BOM = b"\xef\xbb\xbf"  # what Notepad, PowerShell and Excel put at the start of UTF-8 files
+
+
+def _compressed(data: bytes, suffix: str) -> bytes:
+    if suffix == ".gz":
+        return gzip.compress(data, mtime=0)
+    if suffix == ".zst":
+        return pytest.importorskip("zstandard").ZstdCompressor().compress(data)
+    return data
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz", ".zst"])
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n"], ids=["lf", "crlf"])
+@pytest.mark.parametrize("bom", [BOM, b""], ids=["bom", "no-bom"])
+def test_jsonl_with_a_byte_order_mark_keeps_its_first_record(tmp_path, suffix, newline, bom):
+    rows = [json.dumps({"id": f"r{i}", "text": f"{GOOD} {i}"}).encode() for i in range(3)]
+    data = bom + newline.join(rows) + newline
+    (tmp_path / f"bom.jsonl{suffix}").write_bytes(_compressed(data, suffix))
+    metrics, docs, rejects = _ingest(tmp_path, SourceConfig(str(tmp_path / f"bom.jsonl{suffix}"), "en"))
+    assert docs.column("id").to_pylist() == ["r0", "r1", "r2"] and rejects.num_rows == 0
+    assert docs.column("text").to_pylist() == [f"{GOOD} {i}" for i in range(3)]  # no \r, no BOM
+    assert docs.column("line").to_pylist() == [1, 2, 3]
+    assert metrics["domains"]["en"] == {"in": 3, "kept": 3, "rejected": {}}
+
+
+def test_only_the_leading_byte_order_mark_is_dropped(tmp_path):
+    inner = "zero\ufeffwidth no-break space stays"  # U+FEFF inside a text is data
+    raw = BOM + BOM + json.dumps({"id": "a", "text": GOOD}).encode() + b"\n"  # a second BOM is not
+    raw += json.dumps({"id": "b", "text": inner}, ensure_ascii=False).encode() + b"\n"
+    raw += BOM + json.dumps({"id": "c", "text": GOOD}).encode() + b"\n"  # nor one mid-file
+    (tmp_path / "b.jsonl").write_bytes(raw)
+    _, docs, rejects = _ingest(tmp_path, SourceConfig(str(tmp_path / "b.jsonl"), "en"))
+    assert docs.column("id").to_pylist() == ["b"]
+    assert docs.column("text").to_pylist() == [inner]
+    assert rejects.column("line").to_pylist() == [1, 3]
+    assert _reasons(rejects) == [readers.INVALID_JSON] * 2
+
+
+def test_a_file_holding_only_a_byte_order_mark_is_empty(tmp_path):
+    (tmp_path / "e.jsonl").write_bytes(BOM + b"\r\n")
+    _, docs, rejects = _ingest(tmp_path, SourceConfig(str(tmp_path / "e.jsonl"), "en"))
+    assert docs.num_rows == 0 and _reasons(rejects) == [readers.EMPTY_FILE]
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz"])
+@pytest.mark.parametrize("split,expected", [
+    ("file", ["first block\nstill first\n\nsecond\n"]),
+    ("paragraph", ["first block\nstill first", "second"]),
+])
+def test_txt_with_a_byte_order_mark_has_it_stripped(tmp_path, suffix, split, expected):
+    data = BOM + b"first block\nstill first\n\nsecond\n"
+    (tmp_path / f"t.txt{suffix}").write_bytes(_compressed(data, suffix))
+    src = SourceConfig(str(tmp_path / f"t.txt{suffix}"), "en", txt_split=split)
+    _, docs, rejects = _ingest(tmp_path, src)
+    assert docs.column("text").to_pylist() == expected and rejects.num_rows == 0

@@ -4,6 +4,9 @@ Each reader yields, in file order, a ``Doc`` for every good record and a ``Rejec
 (position, reason, detail) for every bad one, so a broken record is counted and
 reported but never stops the stage. Positions are 1-based line numbers for JSON
 lines and text, 0-based row numbers for Parquet.
+
+A UTF-8 byte-order mark at the very start of a JSON-lines or text file (Windows tools
+write one) is dropped, as Python's 'utf-8-sig' codec would; U+FEFF anywhere else is data.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ DUPLICATE_ID = "duplicate_id"
 EMPTY_FILE = "empty_file"
 
 _COMPRESSIONS = (".gz", ".zst")
+_BOM = b"\xef\xbb\xbf"  # U+FEFF in UTF-8
 _FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
             ".txt": "txt", ".text": "txt", ".md": "txt"}
 
@@ -204,6 +208,8 @@ def iter_jsonl(path: str | Path, text_field: str, id_field: str | None,
                 if raw is None:
                     yield Reject(lineno, TOO_LARGE, f"line longer than max_record_bytes={max_bytes}")
                     continue
+                if lineno == 1:  # a BOM marks the file's encoding; json.loads refuses it
+                    raw = raw.removeprefix(_BOM)
                 if not raw.strip():
                     continue
                 try:
@@ -274,7 +280,7 @@ def iter_txt(path: str | Path, split: str, max_bytes: int) -> Iterator[Doc | Rej
     """Plain text: the whole file is one document, or each blank-line-separated block is."""
     try:
         with open_binary(path) as stream:
-            data = stream.read()
+            data = stream.read().removeprefix(_BOM)  # the encoding's mark, not the text's
     except (EOFError, OSError, zlib.error) as e:
         yield _stream_error(1, e)
         return
