@@ -1,36 +1,93 @@
 #!/usr/bin/env bash
 # Create .venv and install lmforge with its dependencies.
 #
-# torch comes first and is chosen for the machine: without an NVIDIA GPU we pin the
-# CPU build (a few hundred MB, not the multi-GB CUDA one); with one (nvidia-smi works)
-# we take PyPI's default CUDA build. Override with TORCH_SPEC, e.g.
+# torch comes first and is chosen for the machine: with an NVIDIA GPU (nvidia-smi works)
+# we take PyPI's default CUDA build; without one, torch==2.13.0 from PyTorch's CPU index
+# (about 190 MB, not the multi-GB CUDA build that PyPI serves for Linux x86_64), or, with
+# a warning, from the default index when the CPU index is unreachable. Setting TORCH_SPEC
+# (and TORCH_INDEX for another index) skips that choice, e.g.
 #   TORCH_SPEC="torch==2.6.0" TORCH_INDEX=https://download.pytorch.org/whl/cu124 scripts/setup.sh
+# TORCH_CPU_INDEX replaces the CPU index's URL (a mirror of it). Sourcing this file only
+# defines the functions (to test the choice of torch).
 set -euo pipefail
-cd "$(dirname "$0")/.."
 
-PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
-fi
-PIP=".venv/bin/python -m pip"
-$PIP install --quiet --upgrade pip
+TORCH_PIN="torch==2.13.0"
+CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 
-if [ -z "${TORCH_SPEC:-}" ]; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    TORCH_SPEC="torch"
-  else
-    TORCH_SPEC="torch==2.13.0"
+# Succeed when an NVIDIA GPU is visible.
+have_nvidia_gpu() {
+  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1
+}
+
+# Succeed when the index at $2 answers for torch within 10 s, probed with Python $1.
+index_reachable() {
+  # Headers only, no body; the thread caps DNS lookups too, which urllib's timeout does not.
+  "$1" - "$2" >/dev/null 2>&1 <<'EOF'
+import sys, threading, urllib.request
+
+answered = []
+
+def probe() -> None:
+    with urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=8):
+        answered.append(True)
+
+thread = threading.Thread(target=probe, daemon=True)
+thread.start()
+thread.join(10)
+sys.exit(0 if answered else 1)
+EOF
+}
+
+# Set TORCH_SPEC and TORCH_INDEX (empty: pip's default index) for this machine.
+choose_torch() {
+  local python=$1
+  TORCH_INDEX=${TORCH_INDEX:-}
+  if [ -n "${TORCH_SPEC:-}" ]; then
+    return 0  # the user's choice, from their index or the default one
   fi
-fi
-if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
-  echo "setup: installing $TORCH_SPEC"
-  if [ -n "${TORCH_INDEX:-}" ]; then
-    $PIP install --quiet "$TORCH_SPEC" --index-url "$TORCH_INDEX"
-  else
-    $PIP install --quiet "$TORCH_SPEC"
+  if have_nvidia_gpu; then
+    TORCH_SPEC="torch"  # PyPI's default build is the CUDA one
+    return 0
   fi
-fi
+  TORCH_SPEC=$TORCH_PIN
+  if [ -n "$TORCH_INDEX" ]; then
+    return 0
+  fi
+  if index_reachable "$python" "$CPU_INDEX"; then
+    TORCH_INDEX=$CPU_INDEX
+  else
+    echo "setup: PyTorch's CPU index ($CPU_INDEX) is unreachable; installing torch from the" \
+         "default index (on Linux x86_64 that can be the multi-GB CUDA build; set TORCH_INDEX" \
+         "to choose)" >&2
+  fi
+}
 
-echo "setup: installing lmforge${EXTRAS:-[dev]}"
-$PIP install --quiet -e ".${EXTRAS:-[dev]}"
-.venv/bin/python -c "import torch, lmforge; print(f'setup: torch {torch.__version__}, cuda={torch.cuda.is_available()}')"
+main() {
+  cd "$(dirname "${BASH_SOURCE[0]}")/.."
+  local python=${PYTHON:-python3}
+  if [ ! -x .venv/bin/python ]; then
+    "$python" -m venv .venv
+  fi
+  local pip=".venv/bin/python -m pip"
+  $pip install --quiet --upgrade pip
+
+  # Probe and install only when needed: make runs this before every demo and test.
+  if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+    choose_torch .venv/bin/python
+    if [ -n "$TORCH_INDEX" ]; then
+      echo "setup: installing $TORCH_SPEC from $TORCH_INDEX"
+      $pip install --quiet "$TORCH_SPEC" --index-url "$TORCH_INDEX"
+    else
+      echo "setup: installing $TORCH_SPEC"
+      $pip install --quiet "$TORCH_SPEC"
+    fi
+  fi
+
+  echo "setup: installing lmforge${EXTRAS:-[dev]}"
+  $pip install --quiet -e ".${EXTRAS:-[dev]}"
+  .venv/bin/python -c "import torch, lmforge; print(f'setup: torch {torch.__version__}, cuda={torch.cuda.is_available()}')"
+}
+
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  main
+fi
