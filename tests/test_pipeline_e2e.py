@@ -149,7 +149,8 @@ def test_train_and_evaluate_outputs(pipeline):
     final = root / "models" / "final"
     for name in ("model.safetensors", "config.json", "tokenizer.model", "run.json"):
         assert (final / name).is_file(), name
-    assert list((root / "models" / "checkpoints").glob("*.pt"))
+    (run_dir,) = (root / "models" / "checkpoints").iterdir()  # one run, in its own dir
+    assert list(run_dir.glob("step-*.pt")) and (run_dir / "run.json").is_file()
     train = load(root / "metrics" / "train.json")
     assert train["steps"] == 24
     tsv = (root / "plots" / "train.tsv").read_text(encoding="utf-8").splitlines()
@@ -182,14 +183,27 @@ def test_mlflow_run_has_curves_and_eval(pipeline):
 
 def test_exp_run_train_param_skips_data_stages(pipeline, env):
     root, _ = pipeline
+    # Checkpoints are no DVC output: a run written there never makes `train` look changed.
+    ck = root / "models" / "checkpoints"
+    other = ck / ("0" * 16)
+    other.mkdir()
+    (other / "run.json").write_text("{}", encoding="utf-8")
+    status = json.loads(subprocess.run(["dvc", "status", "--json"], cwd=root, env=env,
+                                       capture_output=True, text=True, check=True).stdout)
+    assert "train" not in status, status
+    shutil.rmtree(other)
+    before = {d.name: sorted(p.name for p in d.glob("step-*.pt")) for d in ck.iterdir()}
     out = run(["dvc", "exp", "run", "-S", "train.max_lr=5e-4"], root, env)
     for stage in ("ingest", "filter", "dedup", "mix", "tokenizer", "shards"):
         assert f"Stage '{stage}' didn't change, skipping" in out, out[-3000:]
         assert f"Running stage '{stage}'" not in out
     assert "Running stage 'train'" in out
     assert "Running stage 'evaluate'" in out
-    # The first run's checkpoints persist, but were made with other params: never resumed.
+    # The first run's checkpoints persist, but were made with other params: never resumed,
+    # never removed; the experiment's run has a directory of its own.
     assert load(root / "metrics" / "train.json")["resumed_from"] is None
+    after = {d.name: sorted(p.name for p in d.glob("step-*.pt")) for d in ck.iterdir()}
+    assert len(after) == 2 and all(after[name] == files for name, files in before.items())
     diff = run(["dvc", "metrics", "diff", "HEAD", "--json"], root, env)
     assert "metrics/eval.json" in diff
 

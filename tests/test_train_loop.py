@@ -6,6 +6,7 @@ import copy
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ from lmforge.shards import ShardSet, WindowLoader, eval_batches
 from lmforge.shards.format import file_sha256
 from lmforge.shards.writer import write_shards
 from lmforge.train import checkpoint as ckpt
+from lmforge.train import runs
 from lmforge.train.compiler import compile_support, resolve_compile
 from lmforge.train.distributed import DistEnv
 from lmforge.train.loop import TrainData, _optimizer_step, train
@@ -149,10 +151,10 @@ def test_training_reduces_loss_and_writes_history(inputs, tmp_path):
     assert [r["step"] for r in rows] == sorted({5 * i for i in range(1, 9)} | {20})
     assert result.metrics["steps"] == 40 and result.metrics["tokens"] == 40 * 4 * 32
     assert result.metrics["val_loss"] < np.log(300)
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-000035.pt",
-                                                                   "step-000040.pt"]
+    run_dir = tmp_path / "ck" / runs.run_id(result.fingerprint)
+    assert sorted(p.name for p in run_dir.glob("*.pt")) == ["step-000035.pt", "step-000040.pt"]
     # A checkpoint carries its model config: `lmforge generate --model <ckpt>` loads it.
-    model, config = load_model(tmp_path / "ck" / "step-000040.pt")
+    model, config = load_model(run_dir / "step-000040.pt")
     assert config["step"] == 40 and config["vocab_size"] == 300
     final = result.model.state_dict()
     for name, tensor in model.state_dict().items():
@@ -183,23 +185,103 @@ def test_non_finite_steps_are_skipped_then_stop(inputs, tmp_path, monkeypatch):
     assert sum("update skipped" in line for line in logs) == 3
 
 
-def test_fingerprint_mismatch_starts_fresh(inputs, tmp_path):
+def test_each_run_keeps_its_own_checkpoints(inputs, tmp_path):
     ck = tmp_path / "ck"
     first = run(tiny_params(max_steps=10, eval_every=0), inputs, ck)
     assert first.metrics["resumed_from"] is None
     again = run(tiny_params(max_steps=10, eval_every=0, log_every=2), inputs, ck)  # logging only
-    assert again.metrics["resumed_from"].endswith("step-000010.pt")
-    logs: list[str] = []
-    other = run(tiny_params(max_steps=10, eval_every=0, max_lr=1e-3), inputs, ck, logs)
+    assert again.metrics["resumed_from"] == "step-000010.pt"
+    other = run(tiny_params(max_steps=10, eval_every=0, max_lr=1e-3), inputs, ck)
     assert other.metrics["resumed_from"] is None
-    assert any("belong to another run" in line and "starting fresh" in line for line in logs)
-    fps = {torch.load(p, weights_only=True)["fingerprint"] for p in ck.glob("step-*.pt")}
-    assert fps == {other.fingerprint} != {first.fingerprint}
+    # Two runs, two directories; the first run's checkpoints are still all there.
+    dirs = {d.name: d for d in ck.iterdir() if d.is_dir()}
+    assert set(dirs) == {runs.run_id(first.fingerprint), runs.run_id(other.fingerprint)}
+    mine = dirs[runs.run_id(first.fingerprint)]
+    assert [p.name for p in ckpt.list_checkpoints(mine)] == ["step-000005.pt", "step-000010.pt"]
+    record = json.loads((mine / "run.json").read_text())
+    assert record["fingerprint"] == first.fingerprint and record["last_step"] == 10
+    assert record["status"] == "finished" and record["identity"]["train"]["max_lr"] == 3e-3
+    assert ckpt.fingerprint_of(record["identity"]) == first.fingerprint
+    back = run(tiny_params(max_steps=10, eval_every=0), inputs, ck)
+    assert back.metrics["resumed_from"] == "step-000010.pt"
+
+
+def test_keep_last_prunes_only_within_the_run(inputs, tmp_path):
+    ck = tmp_path / "ck"
+    a = run(tiny_params(max_steps=10, eval_every=0, ckpt_every=2, keep_last=2), inputs, ck)
+    b = run(tiny_params(max_steps=6, eval_every=0, ckpt_every=2, keep_last=1), inputs, ck)
+    names = {d: [p.name for p in ckpt.list_checkpoints(ck / runs.run_id(r.fingerprint))]
+             for d, r in (("a", a), ("b", b))}
+    assert names == {"a": ["step-000008.pt", "step-000010.pt"], "b": ["step-000006.pt"]}
+
+
+def test_the_last_step_is_checkpointed_so_a_finished_run_is_not_trained_again(inputs,
+                                                                             tmp_path):
+    ck = tmp_path / "ck"
+    done = run(tiny_params(max_steps=7, eval_every=0, ckpt_every=5), inputs, ck)
+    logs: list[str] = []
+    again = run(tiny_params(max_steps=7, eval_every=0, ckpt_every=5), inputs, ck, logs)
+    assert again.metrics["resumed_from"] == "step-000007.pt"
+    assert not any(line.startswith("step ") for line in logs)  # no training step ran
+    for name, tensor in done.model.state_dict().items():
+        assert torch.equal(again.model.state_dict()[name], tensor), name
+
+
+def test_flat_layout_checkpoints_are_moved_into_their_run(inputs, tmp_path):
+    ck = tmp_path / "ck"
+    first = run(tiny_params(max_steps=10, eval_every=0), inputs, ck)
+    mine = ck / runs.run_id(first.fingerprint)
+    for f in ckpt.list_checkpoints(mine):  # as an older lmforge left them
+        f.replace(ck / f.name)
+    shutil.rmtree(mine)
+    logs: list[str] = []
+    again = run(tiny_params(max_steps=10, eval_every=0), inputs, ck, logs)
+    assert again.metrics["resumed_from"] == "step-000010.pt"
+    assert any("moved 2 checkpoint(s) of the flat layout" in line for line in logs)
+    assert not list(ck.glob("step-*.pt"))
+
+
+def test_a_run_being_trained_is_locked_against_a_second_process(inputs, tmp_path):
+    ck = tmp_path / "ck"
+    params = tiny_params(max_steps=5, eval_every=0)
+    fp = run(params, inputs, ck).fingerprint
+    with runs.locked(ck / runs.run_id(fp)):
+        assert runs.is_locked(ck / runs.run_id(fp))
+        probe = subprocess.run(
+            [sys.executable, "-c", "import sys; from lmforge.train import runs\n"
+             "try:\n    runs.locked(sys.argv[1]).__enter__()\n"
+             "except Exception as e:\n    print(e)", str(ck / runs.run_id(fp))],
+            capture_output=True, text=True, check=True)
+        assert f"is being trained by another process (pid {os.getpid()})" in probe.stdout
+    assert not runs.is_locked(ck / runs.run_id(fp))
+
+
+def test_checkpoint_and_run_json_are_fsynced_before_and_after_the_rename(tmp_path,
+                                                                        monkeypatch):
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(a, b):
+        events.append(("rename", str(b)))
+        return real_replace(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    path = ckpt.save_checkpoint(tmp_path, 3, {"x": torch.ones(2)}, keep_last=2)
+    kinds = [k for k, _ in events]
+    assert kinds == ["fsync", "rename", "fsync"], events
+    assert events[0][1].endswith(".tmp") and events[1][1] == str(path)
+    assert events[2][1] == str(tmp_path)  # the directory entry of the rename
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(inputs, tmp_path):
     ck = tmp_path / "ck"
     result = run(tiny_params(max_steps=10, eval_every=0), inputs, ck)
+    ck = ck / runs.run_id(result.fingerprint)
     newest = ck / "step-000010.pt"
     newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as by a full disk
     logs: list[str] = []
@@ -262,16 +344,32 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
 
     killed = stage_repo(tmp_path / "killed")
     proc = start_stage(killed)
-    target = killed / "models" / "checkpoints" / "step-000010.pt"
+    ck_root = killed / "models" / "checkpoints"
     deadline = time.monotonic() + 60
-    while not target.exists() and time.monotonic() < deadline and proc.poll() is None:
+    while (not list(ck_root.glob("*/step-000010.pt")) and time.monotonic() < deadline
+           and proc.poll() is None):
         time.sleep(0.002)
     assert proc.poll() is None, "the run ended before it could be killed"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (killed / "models" / "final").exists()
+    (run_a,) = [d for d in ck_root.iterdir() if d.is_dir()]
+    killed_at = [p.name for p in ckpt.list_checkpoints(run_a)]
+
+    # While A is paused, an experiment with another learning rate runs to the end...
+    params_a = (killed / "params.yaml").read_text(encoding="utf-8")
+    params_b = yaml.safe_load(params_a)
+    params_b["train"]["max_lr"] = 1e-3
+    (killed / "params.yaml").write_text(yaml.safe_dump(params_b), encoding="utf-8")
     out = finish(start_stage(killed))
-    assert "resuming from" in out
+    assert "resuming" not in out
+    assert [p.name for p in ckpt.list_checkpoints(run_a)] == killed_at  # A untouched
+    assert len([d for d in ck_root.iterdir() if d.is_dir()]) == 2
+
+    # ... and A, rerun, resumes from its own last checkpoint, not from step 0.
+    (killed / "params.yaml").write_text(params_a, encoding="utf-8")
+    out = finish(start_stage(killed))
+    assert f"resuming from {run_a / killed_at[-1]}" in out, out
 
     final_a = straight / "models" / "final"
     final_b = killed / "models" / "final"
@@ -461,9 +559,9 @@ def test_init_from_starts_from_saved_weights_and_checks_them(inputs, tmp_path):
     with pytest.raises(InputError, match="set tokenizer.init_from"):
         run(tiny_params(max_steps=1, init_from=str(other_tok)), inputs, tmp_path / "f")
     # A checkpoint of the run's own folder: refused, and not pruned as another run's.
-    own = tmp_path / "a" / "step-000010.pt"
+    own = tmp_path / "a" / runs.run_id(base.fingerprint) / "step-000010.pt"
     with pytest.raises(InputError, match=r"train.init_from: .*step-000010.pt is inside "
-                                         r".*which this run prunes; copy it elsewhere"):
+                                         r".*where runs prune their checkpoints; copy it"):
         run(tiny_params(max_steps=1, init_from=str(own)), inputs, tmp_path / "a")
     assert own.is_file()
     # From another folder, a full checkpoint is a source like a model dir.

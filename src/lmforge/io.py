@@ -19,8 +19,13 @@ def _umask() -> int:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; rename it onto ``path`` only on success."""
+def atomic_path(path: str | os.PathLike, durable: bool = False) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; rename it onto ``path`` only on success.
+
+    ``durable``: fsync the file before the rename and the directory after it, so a power
+    loss leaves either the old file or the complete new one, never an empty one under
+    the new name (the rename can reach the disk before the data otherwise).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -30,14 +35,27 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp_path
         # mkstemp makes files 0600; give the result the mode a plain open() would.
         os.chmod(tmp_path, 0o666 & ~_umask())
+        if durable:
+            fsync_path(tmp_path)
         os.replace(tmp_path, path)
+        if durable:
+            fsync_path(path.parent)
     finally:
         tmp_path.unlink(missing_ok=True)
 
 
-def write_json(path: str | os.PathLike, obj: Any) -> None:
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file's (or a directory's entries') data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: str | os.PathLike, obj: Any, durable: bool = False) -> None:
     """Write ``obj`` as stable, human-readable JSON (sorted keys), atomically."""
-    with atomic_path(path) as tmp:
+    with atomic_path(path, durable) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n",
                        encoding="utf-8")
 

@@ -4,7 +4,8 @@ A checkpoint holds only tensors and plain Python values, so it loads with
 ``torch.load(weights_only=True)`` (no pickle code execution). Its ``fingerprint`` names
 the run it belongs to: the model and training params that shape the trajectory, the
 data (shard manifests) and the tokenizer. A checkpoint is resumed only into the run
-with the same fingerprint.
+with the same fingerprint; each run keeps its checkpoints in a directory of its own
+(``lmforge.train.runs``).
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ NON_RUN_KEYS = frozenset({
 _REQUIRED = ("format", "fingerprint", "step", "model", "optimizer", "ranks", "progress")
 
 
-def fingerprint(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int,
-                train_manifest: dict, val_manifest: dict, tokenizer_sha256: str,
-                init_sha256: str | None = None) -> str:
-    """sha256 over everything that defines a run's trajectory.
+def run_identity(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int,
+                 train_manifest: dict, val_manifest: dict, tokenizer_sha256: str,
+                 init_sha256: str | None = None) -> dict[str, Any]:
+    """Everything that defines a run's trajectory, as plain values (kept in run.json).
 
     ``init_sha256``: the weights ``train.init_from`` starts from, so a run never resumes
     on top of a different starting model kept under the same path.
@@ -55,16 +56,29 @@ def fingerprint(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int,
         "train": train,
         # The process count, not train.nproc: a multi-node torchrun sets its own.
         "world_size": world_size,
-        "data": [_manifest_digest(train_manifest), _manifest_digest(val_manifest)],
+        "data": [manifest_digest(train_manifest), manifest_digest(val_manifest)],
         "tokenizer_sha256": tokenizer_sha256,
     }
     if init_sha256 is not None:
         blob["init_sha256"] = init_sha256
-    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
+    return blob
 
 
-def _manifest_digest(manifest: dict) -> str:
-    # The manifest lists every shard's checksum, so its digest pins the data.
+def fingerprint_of(identity: dict[str, Any]) -> str:
+    """sha256 of a run identity: the name of the run."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def fingerprint(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int,
+                train_manifest: dict, val_manifest: dict, tokenizer_sha256: str,
+                init_sha256: str | None = None) -> str:
+    """sha256 over everything that defines a run's trajectory (see ``run_identity``)."""
+    return fingerprint_of(run_identity(model_cfg, train_cfg, world_size, train_manifest,
+                                       val_manifest, tokenizer_sha256, init_sha256))
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of a shard manifest; it lists every shard's checksum, so it pins the data."""
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
 
 
@@ -84,9 +98,12 @@ def list_checkpoints(directory: Path) -> list[Path]:
 
 
 def save_checkpoint(directory: Path, step: int, state: dict[str, Any], keep_last: int) -> Path:
-    """Write ``state`` as ``step-NNNNNN.pt`` (temp file + rename), then prune old ones."""
+    """Write ``state`` as ``step-NNNNNN.pt`` (temp file, fsync, rename), then prune old ones.
+
+    ``directory`` is one run's own directory: keep-last-K never reaches another run.
+    """
     path = checkpoint_path(directory, step)
-    with atomic_path(path) as tmp:
+    with atomic_path(path, durable=True) as tmp:
         torch.save(state, tmp)
     for old in list_checkpoints(directory)[:-keep_last]:
         old.unlink(missing_ok=True)
@@ -95,22 +112,19 @@ def save_checkpoint(directory: Path, step: int, state: dict[str, Any], keep_last
 
 def load_resumable(directory: Path, fp: str,
                    log: Callable[[str], None] = print) -> tuple[dict[str, Any], Path] | None:
-    """The newest readable checkpoint of run ``fp``, or None (then start fresh).
+    """The newest readable checkpoint of run ``fp`` in its directory, or None (start fresh).
 
-    A truncated or corrupt checkpoint is reported, removed, and the previous one tried.
-    Checkpoints of another run (another fingerprint) are never resumed: they are
-    reported in one line and removed, so they cannot be mistaken for this run's.
+    A truncated or corrupt checkpoint is set aside (``*.pt.bad``) and the previous one
+    tried. A file of another run (copied in by hand) is skipped and left where it is:
+    nothing here deletes what another run wrote.
     """
     directory = Path(directory)
     for tmp in directory.glob(".step-*.tmp"):  # left by a process killed mid-write
         tmp.unlink(missing_ok=True)
-    stale: list[Path] = []
-    other = ""
-    chosen = None
     for path in reversed(list_checkpoints(directory)):
         try:
             state = read_checkpoint(path)
-        except Exception as e:  # any unreadable file: report it, drop it, fall back
+        except Exception as e:  # any unreadable file: report it, set it aside, fall back
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             # Set it aside rather than delete it: the error may be transient (I/O, memory)
             # or a newer format, and it may be the only copy of a long run.
@@ -120,18 +134,11 @@ def load_resumable(directory: Path, fp: str,
             path.replace(bad)
             continue
         if state["fingerprint"] != fp:
-            stale.append(path)
-            other = other or str(state["fingerprint"])[:12]
+            log(f"train: {path} belongs to run {str(state['fingerprint'])[:16]}, not this "
+                f"run {fp[:16]}; skipped (left in place)")
             continue
-        chosen = (state, path)
-        break
-    if stale:
-        then = "starting fresh" if chosen is None else f"resuming {chosen[1].name}"
-        log(f"train: {len(stale)} checkpoint(s) in {directory} belong to another run "
-            f"(fingerprint {other}, this run {fp[:12]}); {then} and removing them")
-        for p in stale:
-            p.unlink(missing_ok=True)
-    return chosen
+        return state, path
+    return None
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:

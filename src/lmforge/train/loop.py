@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from lmforge.model.llama import Llama
 from lmforge.model.loss import IGNORE_INDEX
 from lmforge.model.saved import save_weights
 from lmforge.train import checkpoint as ckpt
+from lmforge.train import runs
 from lmforge.train.compiler import resolve_compile
 from lmforge.train.distributed import DistEnv, all_gather_objects
 from lmforge.train.optim import build_optimizer
@@ -109,13 +111,46 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     doc_info = {"return_doc_info": True} if mcfg.doc_mask else {}
     loader = data.make_loader(data.train, mcfg.seq_len, micro_batch, cfg.seed,
                               rank=env.rank, world_size=env.world_size, **doc_info)
-    if cfg.init_from:  # the resume scan below removes other runs' checkpoints
-        ensure_outside(cfg.init_from, checkpoint_dir, "which this run prunes")
-    fp = ckpt.fingerprint(mcfg, cfg, env.world_size, data.train.manifest, data.val.manifest,
-                          tokenizer_sha256,
-                          weights_sha256(cfg.init_from) if cfg.init_from else None)
+    if cfg.init_from:  # runs prune their own old checkpoints (keep_last)
+        ensure_outside(cfg.init_from, checkpoint_dir, "where runs prune their checkpoints")
+    identity = ckpt.run_identity(mcfg, cfg, env.world_size, data.train.manifest,
+                                 data.val.manifest, tokenizer_sha256,
+                                 weights_sha256(cfg.init_from) if cfg.init_from else None)
+    fp = ckpt.fingerprint_of(identity)
     torch.manual_seed(cfg.seed + env.rank)  # per-rank dropout streams
 
+    with contextlib.ExitStack() as held:
+        run_dir = _open_run_dir(checkpoint_dir, fp, identity, cfg.max_steps, env, held, log)
+        return _train_run(params, data, model, optimizer, precision, scaler, loader,
+                          micro_batch, accum, run_dir, fp, tokenizer_sha256, env, track,
+                          prompts, decode, log)
+
+
+def _open_run_dir(root: Path, fp: str, identity: dict[str, Any], max_steps: int,
+                  env: DistEnv, held: contextlib.ExitStack,
+                  log: Callable[[str], None]) -> Path:
+    """Rank 0 creates (or reopens) the run's own directory and holds its lock."""
+    directory = runs.run_dir(root, fp)
+    if env.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        runs.adopt_legacy(root, log)
+        directory.mkdir(parents=True, exist_ok=True)
+        held.enter_context(runs.locked(directory))
+        runs.start_run_dir(root, fp, identity, max_steps,
+                           {"dvc_exp_name": os.environ.get("DVC_EXP_NAME") or None})
+    return directory
+
+
+def _train_run(params: Params, data: TrainData, model: Llama,
+               optimizer: torch.optim.Optimizer, precision: Precision,
+               scaler: torch.amp.GradScaler, loader: Any, micro_batch: int, accum: int,
+               checkpoint_dir: Path, fp: str, tokenizer_sha256: str, env: DistEnv,
+               track: bool, prompts: list[tuple[str, list[int]]] | None,
+               decode: Callable[[list[int]], str] | None,
+               log: Callable[[str], None]) -> TrainResult:
+    """Resume or start run ``fp`` in its own ``checkpoint_dir`` and train it to the end."""
+    cfg, mcfg = params.train, params.model
+    device = env.device
     state = _load_resume_state(checkpoint_dir, fp, env, log)
     progress = _Progress()
     if state is not None:
@@ -212,10 +247,11 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
             if env.is_main and cfg.sample_every and step % cfg.sample_every == 0:
                 log_samples(model, prompts or [], decode, cfg.seed, step, run)
             if cfg.light_every and step % cfg.light_every == 0 and env.is_main:
-                # Model-only snapshots, kept per run (by fingerprint) and never pruned.
-                save_weights(model, checkpoint_dir / "light" / fp[:12]
-                             / f"step-{step:06d}.safetensors")
-            if step % cfg.ckpt_every == 0 and bad_streak == 0:
+                # Model-only snapshots, kept in the run's directory and never pruned.
+                save_weights(model, checkpoint_dir / "light" / f"step-{step:06d}.safetensors")
+            # The last step too: a finished run rerun (its outputs deleted, `dvc repro -f`)
+            # rebuilds them from there instead of training again.
+            if (step % cfg.ckpt_every == 0 or step == cfg.max_steps) and bad_streak == 0:
                 done = _Progress(step, tokens_seen, skipped, history, run.run_id, None,
                                  progress.wall_seconds + time.perf_counter() - t0,
                                  interval.loss_sum, interval.loss_n)
@@ -238,6 +274,8 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
         raise
     finally:
         run.finish(status)
+        if env.is_main:
+            runs.update_run(checkpoint_dir, status=status.lower(), mlflow_run_id=run.run_id)
 
 
 def _silent(_: str) -> None:
@@ -480,4 +518,6 @@ def _save(directory: Path, fp: str, progress: _Progress, model: Llama,
         "model_config": dataclasses.asdict(model.config),
         "vocab_size": model.vocab_size,
     }
-    return str(ckpt.save_checkpoint(directory, progress.step, state, keep_last))
+    path = ckpt.save_checkpoint(directory, progress.step, state, keep_last)
+    runs.update_run(directory, last_step=progress.step, last_checkpoint=path.name)
+    return str(path)
