@@ -9,6 +9,7 @@ from pathlib import Path
 from lmforge.errors import InputError, LmforgeError
 from lmforge.export import add_export_parser, add_import_parser
 from lmforge.shards.inspect import add_inspect_parser
+from lmforge.train.checkpoints_cli import add_checkpoints_parser
 from lmforge.train.selfcheck import add_train_parser
 
 
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a trained model")
     g.add_argument("prompt", nargs="*", help="prompt text (several allowed)")
     g.add_argument("--model", default="models/final",
-                   help="models/final, or a checkpoint file under models/checkpoints")
+                   help="models/final, or a checkpoint file under models/checkpoints/<run>/")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer.model (default: the one beside the model)")
     g.add_argument("--file", help="read prompts from a file, separated by blank lines")
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_import_parser(sub)
     add_inspect_parser(sub)
     add_train_parser(sub)
+    add_checkpoints_parser(sub)
     return parser
 
 

@@ -1,0 +1,143 @@
+"""``lmforge checkpoints``: list the runs under models/checkpoints, prune them on request."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from lmforge.config import Params, flatten, load_params
+from lmforge.errors import InputError
+from lmforge.train import checkpoint as ckpt
+from lmforge.train.runs import RunInfo, list_runs, prune_runs, run_id
+from lmforge.train.telemetry import format_duration
+
+SHARDS = Path("data/shards")
+TOKENIZER = Path("models/tokenizer/tokenizer.model")
+
+
+def current_identity(params: Params, shards: Path = SHARDS,
+                     tokenizer: Path = TOKENIZER) -> dict[str, Any]:
+    """The run identity params.yaml and the workspace's data would train now.
+
+    Parts that cannot be known here (no shards or tokenizer built yet) are left out, so
+    they are never reported as differences.
+    """
+    from lmforge.shards.format import file_sha256
+    from lmforge.train.warm_start import weights_sha256
+
+    manifests = [shards / split / "manifest.json" for split in ("train", "val")]
+    have_data = all(m.is_file() for m in manifests)
+    loaded = [json.loads(m.read_text(encoding="utf-8")) if have_data else {}
+              for m in manifests]
+    identity = ckpt.run_identity(
+        params.model, params.train, params.train.nproc, loaded[0], loaded[1],
+        file_sha256(tokenizer) if tokenizer.is_file() else "",
+        weights_sha256(params.train.init_from)
+        if params.train.init_from and Path(params.train.init_from).exists() else None)
+    if not have_data:
+        del identity["data"]
+    if not tokenizer.is_file():
+        del identity["tokenizer_sha256"]
+    return identity
+
+
+def differences(run: dict[str, Any] | None, now: dict[str, Any]) -> list[str]:
+    """What the run was trained with that params.yaml (and the data) no longer say."""
+    if not run:
+        return ["params not recorded (checkpoint of an older lmforge)"]
+    was, cur = flatten(run), flatten(now)
+    out = []
+    for key in sorted(set(was) | set(cur)):
+        if key not in cur and key.split(".")[0] in ("data", "tokenizer_sha256"):
+            continue  # not built in the workspace: unknown, not different
+        if was.get(key) != cur.get(key):
+            if key == "data":
+                out.append("data: other shards")
+            elif key.endswith("sha256"):
+                out.append(f"{key.removesuffix('_sha256')}: other file")
+            else:
+                out.append(f"{key}: {was.get(key)!r} (now {cur.get(key)!r})")
+    return out
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def runs_table(runs: list[RunInfo], now: dict[str, Any]) -> str:
+    """One line per run: id, step, status, size, age, and how it differs from params.yaml."""
+    current = run_id(ckpt.fingerprint_of(now)) if "data" in now else None
+    lines = [f"{'run':<18} {'step':>13}  {'status':<12} {'size':>9}  {'written':>9}  "
+             "differs from params.yaml"]
+    for r in runs:
+        steps = f"{r.last_step}/{r.record.get('max_steps') or '?'}"
+        diff = ("(this is the run params.yaml trains)" if r.id == current
+                else "; ".join(differences(r.record.get("identity"), now)) or "(same params)")
+        lines.append(f"{r.id:<18} {steps:>13}  {r.status:<12} {_size(r.size_bytes):>9}  "
+                     f"{format_duration(r.age_seconds) + ' ago':>9}  {diff}")
+    return "\n".join(lines)
+
+
+def cmd_list(args: argparse.Namespace) -> None:
+    """Print the runs under the checkpoint folder."""
+    runs = list_runs(args.dir)
+    if not runs:
+        print(f"no runs under {args.dir}")
+        return
+    print(runs_table(runs, current_identity(load_params(args.params))))
+
+
+def cmd_prune(args: argparse.Namespace) -> None:
+    """Delete runs, all but those kept (by id prefix, or 'current')."""
+    runs = list_runs(args.dir)
+    keep: set[str] = set()
+    for wanted in args.keep:
+        if wanted == "current":
+            now = current_identity(load_params(args.params))
+            if "data" not in now:
+                raise InputError("checkpoints prune --keep current: no shards built, so the "
+                                 "current run is unknown; name the run to keep by its id")
+            keep.add(run_id(ckpt.fingerprint_of(now)))
+            continue
+        match = [r.id for r in runs if r.id.startswith(wanted)]
+        if len(match) != 1:
+            raise InputError(f"checkpoints prune --keep {wanted}: matches "
+                             f"{len(match)} runs under {args.dir}; give more of the id")
+        keep.update(match)
+    removed = prune_runs(args.dir, keep, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for r in removed:
+        print(f"{verb} {r.id} (step {r.last_step}, {r.status}, {_size(r.size_bytes)})")
+    print(f"checkpoints: {verb} {len(removed)} run(s), kept {len(runs) - len(removed)}")
+
+
+def _location_args(suppress: bool) -> argparse.ArgumentParser:
+    # On `checkpoints` and on `checkpoints prune` alike; the subcommand's copy must not
+    # reset what was given before it (argparse applies subparser defaults last).
+    common = argparse.ArgumentParser(add_help=False)
+    default = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
+    common.add_argument("--dir", type=Path, default=default(Path("models/checkpoints")),
+                        help="the checkpoint folder (default models/checkpoints)")
+    common.add_argument("--params", default=default("params.yaml"))
+    return common
+
+
+def add_checkpoints_parser(sub: argparse._SubParsersAction) -> None:
+    """``lmforge checkpoints [prune --keep ID|current ...]``."""
+    p = sub.add_parser("checkpoints", parents=[_location_args(False)],
+                       help="list the training runs' checkpoints; prune them")
+    p.set_defaults(func=cmd_list)
+    actions = p.add_subparsers(dest="action")
+    prune = actions.add_parser("prune", parents=[_location_args(True)],
+                               help="delete every run but the kept ones")
+    prune.add_argument("--keep", nargs="*", default=["current"],
+                       help="run ids (a prefix is enough) or 'current' (the default: the "
+                            "run params.yaml trains)")
+    prune.add_argument("--dry-run", action="store_true", help="only say what would go")
+    prune.set_defaults(func=cmd_prune)

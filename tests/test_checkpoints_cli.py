@@ -1,0 +1,84 @@
+"""``lmforge checkpoints``: runs listed with what differs from params.yaml; prune on request."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+from test_train_loop import CPU, REPO, make_inputs, open_data, tiny_params
+
+from lmforge.cli import main
+from lmforge.shards.format import file_sha256
+from lmforge.train import runs
+from lmforge.train.loop import train
+
+TRAIN_A = dict(max_steps=10, eval_every=0, warmup=3.0)  # as params.yaml loads it
+
+
+@pytest.fixture()
+def repo(tmp_path, monkeypatch):
+    """A workspace with shards, params.yaml for run A, and runs A and B trained."""
+    paths = make_inputs(tmp_path)
+    sha = file_sha256(paths.tokenizer)
+    params = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
+    a = tiny_params(**TRAIN_A)
+    params["model"] = {"n_layer": 2, "n_head": 4, "n_embd": 64, "seq_len": 32}
+    params["train"] = {k: v for k, v in dataclasses.asdict(a.train).items()
+                       if k in params["train"] or k in TRAIN_A or k == "num_threads"}
+    params["train"].update(compile=False, self_check=False, sample_prompts=[])
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
+    ck = tmp_path / "models" / "checkpoints"
+    fps = {}
+    for name, p in (("a", a), ("b", tiny_params(**TRAIN_A, max_lr=1e-3))):
+        fps[name] = train(p, open_data(paths), ck, sha, CPU, track=False,
+                          log=lambda _: None).fingerprint
+    monkeypatch.chdir(tmp_path)
+    return ck, fps
+
+
+def test_list_shows_each_run_and_what_differs_from_params_yaml(repo, capsys):
+    ck, fps = repo
+    main(["checkpoints"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:4] == ["run", "step", "status", "size"]
+    line_a = next(line for line in out if line.startswith(runs.run_id(fps["a"])))
+    line_b = next(line for line in out if line.startswith(runs.run_id(fps["b"])))
+    assert "10/10" in line_a and "finished" in line_a
+    assert "this is the run params.yaml trains" in line_a
+    assert "train.max_lr: 0.001 (now 0.003)" in line_b
+    assert "KB" in line_b or "MB" in line_b
+
+
+def test_prune_removes_only_when_asked_and_keeps_the_current_run(repo, capsys):
+    ck, fps = repo
+    main(["checkpoints", "prune", "--dry-run"])
+    assert f"would remove {runs.run_id(fps['b'])}" in capsys.readouterr().out
+    assert len(list(ck.iterdir())) == 2
+    main(["checkpoints", "prune"])
+    assert [d.name for d in ck.iterdir()] == [runs.run_id(fps["a"])]
+    assert "removed 1 run(s), kept 1" in capsys.readouterr().out
+
+
+def test_prune_keeps_runs_named_by_prefix_and_never_one_being_trained(repo, capsys):
+    ck, fps = repo
+    with runs.locked(ck / runs.run_id(fps["a"])):
+        main(["checkpoints", "prune", "--keep", runs.run_id(fps["b"])[:6]])
+    assert "being trained now; kept" in capsys.readouterr().out
+    assert len(list(ck.iterdir())) == 2
+    with pytest.raises(SystemExit) as stop:
+        main(["checkpoints", "prune", "--keep", "zzz"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.startswith("error: checkpoints prune --keep zzz: matches 0")
+    assert len(list(ck.iterdir())) == 2
+
+
+def test_a_run_without_a_recorded_identity_says_so(repo, capsys):
+    ck, fps = repo
+    record = runs.read_run(ck / runs.run_id(fps["b"]))
+    del record["identity"]
+    from lmforge.io import write_json
+
+    write_json(ck / runs.run_id(fps["b"]) / runs.RUN_FILE, record)
+    main(["checkpoints", "--dir", str(ck)])
+    assert "params not recorded" in capsys.readouterr().out
