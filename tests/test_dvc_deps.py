@@ -27,8 +27,9 @@ import yaml
 from lmforge.config import Params, load_params
 
 REPO = Path(__file__).resolve().parents[1]
-# In-repo top-level packages and the folder each lives in; deps under these are code.
+# In-repo top-level packages and the folder each lives in.
 PACKAGE_DIRS = {"stages": ".", "lmforge": "src"}
+# dvc.yaml deps under these folders are code; the others (data/, models/) are not compared.
 CODE_ROOTS = ("stages", "src")
 
 # Config fields that cannot change a stage's outputs, so no stage lists them and editing
@@ -191,10 +192,11 @@ def test_walker_follows_lazy_relative_and_submodule_imports(tmp_path):
 
 
 def test_lazy_imports_of_the_real_stages_are_seen():
-    # Imported inside functions only: a walk of module-level imports would miss them.
+    # Imported inside functions (pipeline.py, telemetry.py): a walk of module-level
+    # imports would miss them.
     assert "src/lmforge/train/selfcheck.py" in executed_files("stages.train")
     assert "src/lmforge/tracking.py" in executed_files("stages.train")
-    # And the mix module belongs to the mix stage alone among the data stages.
+    # mix.py is imported by the mix stage alone, so editing it reruns only mix.
     owners = {n for n, s in STAGES.items() if "src/lmforge/data/mix.py" in
               executed_files(entry_module(s))}
     assert owners == {"mix"}
