@@ -3,14 +3,17 @@
 The store is local by default, ``sqlite:///<repo>/mlflow.db`` (the repo root taken from
 ``DVC_ROOT`` when DVC runs us, so queued experiments in temp dirs log to the same store);
 ``MLFLOW_TRACKING_URI`` overrides it. One MLflow run per training run, named after
-``DVC_EXP_NAME`` when DVC sets it, tagged with the git revision.
+``DVC_EXP_NAME`` when DVC sets it, tagged with the git revision. The ``lmforge``
+experiment is marked as model training (not a GenAI app) for MLflow 3's UI.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,15 @@ from typing import Any
 from lmforge.config import Params, flatten, section_dict
 
 EXPERIMENT = "lmforge"
+# MLflow 3 shows a GenAI (traces) overview for experiments it takes for GenAI apps; this
+# experiment tag says "model training", whose view is the runs and their charts.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+# Set on a training run once its first evaluation is logged into it; later evaluations
+# of the same model get runs of their own (see lmforge.evaluate.tracking).
+EVALUATED_TAG = "lmforge.evaluated"
+TRAIN_RUN_TAG = "lmforge.train_run_id"
+PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests the run under its parent
 # MLflow caps a batch at 1000 metrics; flushing every few hundred keeps calls rare.
 _FLUSH_AT = 500
 _FLUSH_SECONDS = 30.0
@@ -100,10 +112,32 @@ class Run:
         """Attach a file."""
         self.client.log_artifact(self.run_id, str(path), artifact_path)
 
+    def log_table(self, data: dict[str, list[Any]], artifact_file: str) -> None:
+        """Attach a table (columns by name) that the UI shows as a table."""
+        self.client.log_table(self.run_id, data, artifact_file)
+
+    def tags(self) -> dict[str, str]:
+        """The run's tags as stored now."""
+        return dict(self.client.get_run(self.run_id).data.tags)
+
     def finish(self, status: str = "FINISHED") -> None:
         """Flush and close the run (``FINISHED``, ``FAILED`` or ``KILLED``)."""
-        self.flush()
-        self.client.set_terminated(self.run_id, status=status)
+        try:
+            self.flush()
+        finally:  # metrics that cannot be sent must not leave the run RUNNING
+            self.client.set_terminated(self.run_id, status=status)
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """FINISHED after the block; FAILED (or KILLED on Ctrl-C) when it raised."""
+        if exc_type is None:
+            self.finish("FINISHED")
+            return
+        status = "KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED"
+        with contextlib.suppress(Exception):  # the block's own error is the one to report
+            self.finish(status)
 
 
 def _client(root: str | os.PathLike | None = None) -> Any:
@@ -118,12 +152,16 @@ def _experiment_id(client: Any, root: str | os.PathLike | None) -> str:
     if exp is not None:
         if exp.lifecycle_stage == "deleted":  # deleted in the UI: its name stays reserved
             client.restore_experiment(exp.experiment_id)
+        if EXPERIMENT_KIND_TAG not in exp.tags:  # a store made before the tag; a kind
+            # chosen in the UI is left alone
+            client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return exp.experiment_id
     # Artifacts beside the store, by absolute path: a queued experiment runs in a temp
     # copy of the repo, and a relative location would land there and vanish.
     artifacts = Path(root or os.environ.get("DVC_ROOT") or os.getcwd()).resolve() / "mlartifacts"
     try:
-        return client.create_experiment(EXPERIMENT, artifact_location=artifacts.as_uri())
+        return client.create_experiment(EXPERIMENT, artifact_location=artifacts.as_uri(),
+                                        tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     except Exception:
         # Created concurrently by another queued experiment; anything else is re-raised.
         exp = client.get_experiment_by_name(EXPERIMENT)
@@ -133,26 +171,54 @@ def _experiment_id(client: Any, root: str | os.PathLike | None) -> str:
 
 
 def start_run(params: Params, run_name: str | None = None,
-              root: str | os.PathLike | None = None) -> Run:
-    """Open a new run named after ``DVC_EXP_NAME`` (when set), with all params logged."""
+              root: str | os.PathLike | None = None,
+              tags: dict[str, str] | None = None) -> Run:
+    """Open a new run named after ``DVC_EXP_NAME`` (when set), with all params logged.
+
+    ``tags`` are added to the defaults (git revision, DVC experiment name); a
+    ``mlflow.parentRunId`` among them nests the run under that one in the UI.
+    """
     client = _client(root)
     name = run_name or os.environ.get("DVC_EXP_NAME") or f"train-{time.strftime('%Y%m%d-%H%M%S')}"
-    tags = {
+    all_tags = {
         "git_revision": git_revision(root),
         "dvc_exp_name": os.environ.get("DVC_EXP_NAME", ""),
         "mlflow.runName": name,
+        **(tags or {}),
     }
-    run = client.create_run(_experiment_id(client, root), run_name=name, tags=tags)
+    run = client.create_run(_experiment_id(client, root), run_name=name, tags=all_tags)
     tracked = Run(client, run.info.run_id)
-    tracked.log_params(params_for_logging(params))
+    try:
+        tracked.log_params(params_for_logging(params))
+    except BaseException:  # a run that was never handed out would stay RUNNING
+        tracked.__exit__(*sys.exc_info())
+        raise
     return tracked
 
 
 def resume_run(run_id: str, root: str | os.PathLike | None = None) -> Run:
-    """Reopen an existing run (the evaluate stage adds its results to the training run)."""
+    """Reopen an existing run, RUNNING again; use it as ``with resume_run(...) as run:``
+    so that an error in the block ends it FAILED rather than leaving it RUNNING.
+
+    Raises (and changes nothing) when the store has no such active run.
+    """
     client = _client(root)
+    if client.get_run(run_id).info.lifecycle_stage != "active":
+        raise LookupError(f"MLflow run {run_id} is deleted")
     client.update_run(run_id, status="RUNNING")
     return Run(client, run_id)
+
+
+def find_run(run_id: str, root: str | os.PathLike | None = None) -> Run | None:
+    """The active run ``run_id`` (status unchanged), or None when the store lacks it."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client(root)
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        return None
+    return Run(client, run_id) if run.info.lifecycle_stage == "active" else None
 
 
 def params_for_logging(params: Params) -> dict[str, Any]:

@@ -1,41 +1,141 @@
-"""The evaluation in MLflow: results, samples and the data stages' counts."""
+"""The evaluation in MLflow: results, samples and the data stages' counts.
+
+The first evaluation of a training run goes into that run, so an ordinary train+evaluate
+experiment shows its eval metrics beside its curves. A later evaluation of the same model
+(an experiment that reruns only ``evaluate``) gets a run of its own, nested under the
+training run, so it never overwrites another experiment's results.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import time
 from pathlib import Path
+from typing import Any
 
+from lmforge.config import Params, load_params
 from lmforge.stage import repo_root
-from lmforge.tracking import resume_run
+from lmforge.tracking import (
+    EVALUATED_TAG,
+    PARENT_TAG,
+    TRAIN_RUN_TAG,
+    Run,
+    find_run,
+    resume_run,
+    start_run,
+)
 
 DATA_METRICS = ("ingest", "filter", "dedup", "mix", "tokenizer", "shards")
+# Per-domain figures logged as metrics; the rest stay in the eval.json artifact. The
+# prefix sorts after the training curves and the eval/ headline figures in the UI.
+DOMAIN_KEYS = ("bits_per_byte", "bits_per_byte_stderr", "loss", "loss_stderr")
+DOMAIN_PREFIX = "eval_domain"
 
 
-def log_to_mlflow(results: dict, samples: str, final: Path) -> None:
-    """Attach the evaluation (and the data stages' counts) to the training run."""
+def log_to_mlflow(results: dict, samples: str, final: Path,
+                  params: Params | None = None) -> None:
+    """Log the evaluation (and the data stages' counts) to MLflow.
+
+    Into the training run named in ``final/run.json`` the first time it is evaluated;
+    into a new run nested under it after that. An error while logging ends the run
+    FAILED and is re-raised. ``params`` default to ./params.yaml.
+    """
     run_file = final / "run.json"
     run_id = json.loads(run_file.read_text()).get("mlflow_run_id") if run_file.is_file() else None
     if not run_id:
         print("evaluate: no MLflow run recorded by the train stage; not logging")
         return
-    run = resume_run(run_id, repo_root())
-    metrics = {f"eval/val_{k}": v for k, v in results["val"].items() if k != "domains"}
-    for domain, d in results["val"]["domains"].items():
-        metrics[f"eval/val_bits_per_byte/{domain}"] = d["bits_per_byte"]
-        metrics[f"eval/val_loss/{domain}"] = d["loss"]
-    if "train" in results:
-        metrics["eval/train_loss"] = results["train"]["loss"]
-        metrics["eval/train_val_gap"] = results["train_val_gap"]
+    with open_eval_run(run_id, params) as run:
+        run.log_metrics(eval_metrics(results), step=0)
+        log_data_counts(run, Path("metrics"))
+        run.log_dict(results, "eval/eval.json")
+        run.log_text(samples, "eval/samples.md")
+        if run.run_id == run_id:  # last: a failed first evaluation is not "evaluated"
+            run.set_tags({EVALUATED_TAG: "1"})
+    where = "training run" if run.run_id == run_id else f"evaluation run under {run_id}"
+    print(f"evaluate: logged to MLflow {where} {run.run_id}")
+
+
+def open_eval_run(train_run_id: str, params: Params | None = None) -> Run:
+    """The training run, reopened, if it has no evaluation yet; else a new nested run."""
+    root = repo_root()
+    train = find_run(train_run_id, root)
+    if train is not None and train.tags().get(EVALUATED_TAG) != "1":
+        return resume_run(train_run_id, root)
+    name = os.environ.get("DVC_EXP_NAME") or f"evaluate-{time.strftime('%Y%m%d-%H%M%S')}"
+    tags = {TRAIN_RUN_TAG: train_run_id, "lmforge.stage": "evaluate"}
+    if train is not None:  # a parent the store lacks (it was reset) would hide the run
+        tags[PARENT_TAG] = train_run_id
+    return start_run(params or load_params("params.yaml"), run_name=name, root=root,
+                     tags=tags)
+
+
+def eval_metrics(results: dict[str, Any]) -> dict[str, float]:
+    """metrics/eval.json as flat MLflow metrics, whichever of its shapes it has.
+
+    Top-level numbers become ``eval/<key>``; a split's numbers ``eval/<split>_<key>``,
+    its summaries ``eval/<split>_<key>_<summary>`` (``eval/val_loss_mix_weighted``);
+    its domains ``eval_domain/<domain>/<key>`` for the keys in DOMAIN_KEYS.
+    """
+    metrics: dict[str, float] = {}
+    for key, value in results.items():
+        if _number(value):
+            metrics[f"eval/{key}"] = float(value)
+    for split in ("val", "train"):
+        section = results.get(split)
+        if not isinstance(section, dict):
+            continue
+        for key, value in section.items():
+            if _number(value):
+                metrics[f"eval/{split}_{key}"] = float(value)
+            elif key == "domains" and isinstance(value, dict):
+                metrics.update(_domain_metrics(value))
+            elif isinstance(value, dict):  # a summary: mix_weighted, token_weighted
+                metrics.update({f"eval/{split}_{k}_{key}": float(v)
+                                for k, v in value.items() if _number(v)})
+    return metrics
+
+
+def _domain_metrics(domains: dict[str, Any]) -> dict[str, float]:
+    return {f"{DOMAIN_PREFIX}/{name}/{k}": float(d[k])
+            for name, d in sorted(domains.items()) if isinstance(d, dict)
+            for k in DOMAIN_KEYS if _number(d.get(k))}
+
+
+def _number(value: Any) -> bool:
+    # bool is an int; NaN/inf would be rejected by some stores and chart as gaps anyway.
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def data_counts(metrics_dir: Path) -> dict[str, list[Any]]:
+    """Documents in and kept per data stage and domain, as table columns."""
+    table: dict[str, list[Any]] = {"stage": [], "domain": [], "in": [], "kept": []}
     for stage in DATA_METRICS:
-        path = Path("metrics") / f"{stage}.json"
+        path = metrics_dir / f"{stage}.json"
+        domains = json.loads(path.read_text(encoding="utf-8")).get("domains") \
+            if path.is_file() else None
+        for domain, m in sorted(domains.items() if isinstance(domains, dict) else ()):
+            if isinstance(m, dict) and "kept" in m:
+                table["stage"].append(stage)
+                table["domain"].append(domain)
+                table["in"].append(m.get("in"))
+                table["kept"].append(m["kept"])
+    return table
+
+
+def log_data_counts(run: Run, metrics_dir: Path) -> None:
+    """Each data stage's metrics as a JSON artifact, and their counts as one table.
+
+    A table, not metrics: dozens of one-point charts would push the training curves off
+    the first screen of the MLflow UI.
+    """
+    for stage in DATA_METRICS:
+        path = metrics_dir / f"{stage}.json"
         if path.is_file():
-            data = json.loads(path.read_text(encoding="utf-8"))
-            run.log_dict(data, f"data/{stage}.json")
-            domains = data.get("domains")
-            for domain, m in (domains.items() if isinstance(domains, dict) else ()):
-                if isinstance(m, dict) and "kept" in m:
-                    metrics[f"data/{stage}_kept/{domain}"] = m["kept"]
-    run.log_metrics(metrics, step=0)
-    run.log_dict(results, "eval/eval.json")
-    run.log_text(samples, "eval/samples.md")
-    run.finish("FINISHED")
+            run.log_dict(json.loads(path.read_text(encoding="utf-8")), f"data/{stage}.json")
+    table = data_counts(metrics_dir)
+    if table["stage"]:
+        run.log_table(table, "data/kept.json")
