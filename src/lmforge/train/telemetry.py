@@ -63,6 +63,38 @@ class NullRun:
         pass
 
 
+class GuardedRun:
+    """An MLflow run whose failures are reported once and otherwise ignored.
+
+    The store can fail mid-training (disk full, a locked or deleted sqlite file); the
+    loop logs every few steps and finishes the run in a ``finally``, and neither may
+    cost the training run.
+    """
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+        self.run_id: str | None = run.run_id
+        self._warned = False
+
+    def _guard(self, what: str, call: Any, *args: Any) -> None:
+        try:
+            call(*args)
+        except Exception as e:
+            if not self._warned:
+                self._warned = True
+                print(f"train: MLflow {what} failed ({type(e).__name__}: {e}); "
+                      "training goes on", file=sys.stderr)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._guard("logging", self.run.log_metrics, metrics, step)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self._guard("logging", self.run.log_text, text, artifact_file)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self._guard("finish", self.run.finish, status)
+
+
 def open_run(params: Params, run_id: str | None = None) -> Any:
     """Start (or, on resume, reopen) the MLflow run; a tracking failure never stops training."""
     try:
@@ -70,10 +102,10 @@ def open_run(params: Params, run_id: str | None = None) -> Any:
 
         if run_id:
             try:
-                return resume_run(run_id)
+                return GuardedRun(resume_run(run_id))
             except Exception:  # the store was reset since: open a new run instead
                 pass
-        return start_run(params)
+        return GuardedRun(start_run(params))
     except Exception as e:  # an unreachable store must not cost a training run
         print(f"train: MLflow tracking is off ({type(e).__name__}: {e})", file=sys.stderr)
         return NullRun()
