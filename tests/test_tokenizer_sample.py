@@ -84,3 +84,38 @@ def test_memory_stays_flat_as_the_corpus_grows(tmp_path):
     # The budget plus at most one document per domain, however big the corpus.
     assert max(peaks) <= budget + 3 * longest
     assert peaks[1] <= peaks[0] + 3 * longest
+
+
+def test_copies_made_by_mix_are_skipped(tmp_path):
+    """mix up-samples a small domain as ``id#rN`` rows; the sample takes each text once."""
+    from lmforge.config import MixConfig
+    from lmforge.data.mix import run_mix
+    from lmforge.data.records import is_repeat, list_parts, read_table
+
+    rng = random.Random(3)
+    rows = [(f"big-{i}", "".join(rng.choice("abcdef ") for _ in range(300)), "big")
+            for i in range(40)]
+    rows += [(f"small-{i}", "".join(rng.choice("数据库表") for _ in range(100)), "small")
+             for i in range(10)]
+    deduped = write_parts(tmp_path / "deduped", rows, n_parts=2)[0].parent
+    metrics = run_mix(MixConfig(weights={"big": 0.5, "small": 0.5}, max_epochs=3,
+                                min_val_docs=1, val_fraction=0.1, num_workers=1),
+                      deduped, tmp_path / "mixed")
+    assert metrics["domains"]["small"]["epochs"] > 2  # really up-sampled
+    parts = list_parts(tmp_path / "mixed" / "train")
+    ids = [i for p in parts for i in read_table(p, columns=["id"]).column("id").to_pylist()]
+    copies = sum(map(is_repeat, ids))
+    assert copies > 0
+    sample = balanced_sample(parts, 10_000_000, seed=1)
+    assert sample.repeats_skipped == copies
+    originals = {i for i in ids if not is_repeat(i)}
+    assert len(sample.texts) == len(originals)
+    assert sum(sample.available_chars.values()) == sum(map(len, sample.texts))
+
+
+def test_repeat_ids_round_trip():
+    from lmforge.data.records import is_repeat, repeat_id
+
+    assert repeat_id("doc:7", 0) == "doc:7" and not is_repeat("doc:7")
+    assert is_repeat(repeat_id("doc:7", 1)) and is_repeat("a#r12")
+    assert not is_repeat("a#r0") and not is_repeat("a#rx") and not is_repeat("a#r1b")

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from lmforge.config import MixConfig
 from lmforge.data.counts import Counts
-from lmforge.data.records import list_parts, part_name, read_table, write_table
+from lmforge.data.records import list_parts, part_name, read_table, repeat_id, write_table
 from lmforge.errors import InputError
 from lmforge.io import atomic_dir
 from lmforge.parallel import imap_ordered
@@ -174,7 +174,7 @@ def scatter_part(task: ScatterTask) -> None:
             sel = pl.part == out_part
             local = pl.doc[sel] - task.first_doc
             rows = table.take(pa.array(local))
-            ids = [rid if r == 0 else f"{rid}#r{r}"
+            ids = [repeat_id(rid, int(r))
                    for rid, r in zip(rows.column("id").to_pylist(), pl.repeat[sel], strict=True)]
             rows = rows.set_column(rows.schema.get_field_index("id"), "id", pa.array(ids))
             rows = rows.append_column("_pos", pa.array(pl.pos[sel]))

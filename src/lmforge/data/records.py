@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,21 @@ SCHEMA = pa.schema(
         ("line", pa.int64()),
     ]
 )
+
+
+# mix up-samples a domain by repeating documents; copy r >= 1 of document ``id`` is
+# ``id#r<r>`` (copy 0 keeps the plain id), so every copy is traceable to its original.
+_REPEAT = re.compile(r"#r[1-9][0-9]*$")
+
+
+def repeat_id(doc_id: str, copy: int) -> str:
+    """The id of the ``copy``-th repeat of ``doc_id`` (the id itself for copy 0)."""
+    return doc_id if copy == 0 else f"{doc_id}#r{copy}"
+
+
+def is_repeat(doc_id: str) -> bool:
+    """True for the id of an up-sampled copy (``id#rN``, N >= 1)."""
+    return _REPEAT.search(doc_id) is not None
 
 
 def part_name(index: int) -> str:

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lmforge.data.records import is_repeat
 from lmforge.tokenizer.corpus import iter_text_batches
 
 
@@ -87,11 +88,14 @@ class Sample:
 def balanced_sample(parts: Iterable[Path], sample_chars: int, seed: int) -> Sample:
     """At most ``sample_chars`` characters, shared equally across domains (see module doc)."""
     reservoirs: dict[str, _Reservoir] = {}
-    peak = 0
+    peak = repeats = 0
     for path in parts:
         for batch in iter_text_batches(path):
             for doc_id, text, domain in zip(batch.ids, batch.texts, batch.domains,
                                             strict=True):
+                if is_repeat(doc_id):  # mix's up-sampled copy: the original is in the split
+                    repeats += 1
+                    continue
                 res = reservoirs.get(domain)
                 if res is None:
                     # A new domain starts at the current level: it lowers it, never raises.
@@ -120,7 +124,7 @@ def balanced_sample(parts: Iterable[Path], sample_chars: int, seed: int) -> Samp
         texts=[t for _, t in chosen],
         chars_per_domain=taken,
         available_chars={d: r.seen_chars for d, r in sorted(reservoirs.items())},
-        repeats_skipped=sum(r.repeats for r in reservoirs.values()),
+        repeats_skipped=repeats + sum(r.repeats for r in reservoirs.values()),
         peak_held_chars=peak,
     )
 
