@@ -13,6 +13,13 @@ def main(params: Params) -> None:
     metrics = run_mix(params.mix, "data/deduped", "data/mixed")
     write_json("metrics/mix.json", metrics)
     print_report("mix", metrics)
+    for domain, m in sorted(metrics["domains"].items()):
+        if m["val_below_minimum"]:
+            cfg = params.mix
+            print(f"mix: warning: {domain}: val holds {m['val_docs']} documents, "
+                  f"{m['val_chars']:,} characters (asked: {cfg.min_val_docs}, "
+                  f"{cfg.min_val_chars:,}); mix.max_val_fraction={cfg.max_val_fraction} "
+                  "keeps the rest for training, so its val figures are rough")
 
 
 if __name__ == "__main__":

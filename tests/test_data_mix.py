@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from lmforge.config import MixConfig
 from lmforge.data.dedup import CLUSTERS_SCHEMA
 from lmforge.data.mix import run_mix
-from lmforge.data.records import SCHEMA
+from lmforge.data.records import SCHEMA, part_name, write_table
 
 SIZES = {"big": 300, "mid": 120, "zh": 60}
 
@@ -109,3 +110,41 @@ def test_mix_is_byte_identical_across_runs(tmp_path):
     # A different seed gives a different order.
     run_mix(cfg(seed=12), tmp_path / "in", tmp_path / "c")
     assert (tmp_path / "c" / files[0]).read_bytes() != (tmp_path / "a" / files[0]).read_bytes()
+
+
+def test_val_takes_enough_of_every_domain_to_measure_it():
+    """Documents and characters both reach their minimum; small domains are capped."""
+    from lmforge.data.mix import split_val
+
+    rng_data = np.random.default_rng(0)
+    n = 400
+    chars = rng_data.integers(500, 1500, n).astype(np.int64)
+    clusters = [f"c{i // 2}" for i in range(n)]  # pairs of near-duplicates
+    idx = np.arange(n)
+    cfg = MixConfig(weights={"a": 1.0}, val_fraction=0.01, min_val_docs=20,
+                    min_val_chars=60_000, max_val_fraction=0.5)
+    val = split_val(idx, clusters, chars, cfg, np.random.default_rng(1))
+    assert val.sum() >= 20 and chars[val].sum() >= 60_000
+    assert chars[val].sum() - 2 * chars.max() < 60_000  # no more than needed
+    for c in set(clusters):  # a cluster never straddles the split
+        assert len({bool(val[i]) for i in idx if clusters[i] == c}) == 1
+    small = split_val(idx[:30], clusters, chars, cfg, np.random.default_rng(1))
+    assert small.sum() <= 15  # max_val_fraction of 30 documents
+    few = MixConfig(weights={"a": 1.0}, min_val_docs=20, min_val_chars=0)
+    assert split_val(idx, clusters, chars, few, np.random.default_rng(1)).sum() in (20, 21)
+
+
+def test_mix_metrics_flag_a_domain_whose_val_is_below_the_minimum(tmp_path):
+    from lmforge.data.mix import run_mix
+
+    rows = [(f"a-{i}", "x" * 1000, "a") for i in range(200)]
+    rows += [(f"b-{i}", "y" * 1000, "b") for i in range(10)]
+    src = tmp_path / "in"
+    src.mkdir()
+    write_table(pa.table({"id": [r[0] for r in rows], "text": [r[1] for r in rows],
+                          "domain": [r[2] for r in rows],
+                          "source": ["t"] * len(rows)}), src / part_name(0))
+    m = run_mix(MixConfig(weights={"a": 1, "b": 1}, min_val_docs=20, min_val_chars=20_000,
+                          num_workers=1), src, tmp_path / "out")
+    assert m["domains"]["a"]["val_docs"] == 20 and not m["domains"]["a"]["val_below_minimum"]
+    assert m["domains"]["b"]["val_docs"] == 2 and m["domains"]["b"]["val_below_minimum"]

@@ -207,8 +207,13 @@ class MixConfig:
     max_epochs: float = 4.0
     # Train size in units (characters); null = as large as the weights and caps allow.
     total: int | None = None
+    # Val per domain: at least val_fraction of its documents, min_val_docs documents and
+    # min_val_chars characters (enough to measure the domain, with an error bar), but
+    # never more than max_val_fraction of them; whole dedup clusters at a time.
     val_fraction: float = 0.02
-    min_val_docs: int = 4
+    min_val_docs: int = 20
+    min_val_chars: int = 50_000
+    max_val_fraction: float = 0.2
     part_docs: int = 2000
     seed: int = 1234
     num_workers: int = 0
@@ -225,7 +230,10 @@ class MixConfig:
             raise ConfigError(f"mix.max_epochs: {self.max_epochs} must be >= 1")
         if not 0 < self.val_fraction < 1:
             raise ConfigError(f"mix.val_fraction: {self.val_fraction} must be in (0, 1)")
-        _non_negative(self, "min_val_docs", "num_workers")
+        if not self.val_fraction <= self.max_val_fraction < 1:
+            raise ConfigError(f"mix.max_val_fraction: {self.max_val_fraction} must be in "
+                              f"[mix.val_fraction={self.val_fraction}, 1)")
+        _non_negative(self, "min_val_docs", "min_val_chars", "num_workers")
         _positive(self, "part_docs")
 
 

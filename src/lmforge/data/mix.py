@@ -76,27 +76,35 @@ def domain_rng(seed: int, domain: str, purpose: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(domain.encode()), zlib.crc32(purpose.encode())])
 
 
-def split_val(doc_idx: np.ndarray, clusters: list[str], cfg: MixConfig,
+def split_val(doc_idx: np.ndarray, clusters: list[str], chars: np.ndarray, cfg: MixConfig,
               rng: np.random.Generator) -> np.ndarray:
     """A boolean val mask over one domain's documents, taking whole clusters at a time.
 
-    Val gets at least ``max(min_val_docs, val_fraction * n)`` documents when the domain
-    has that many, and never all of them (train keeps at least one cluster).
+    Val gets at least ``max(min_val_docs, val_fraction * n)`` documents and
+    ``min_val_chars`` characters, so every domain's val loss rests on enough text to
+    measure, but never more than ``max_val_fraction`` of the documents (a cluster that
+    would pass that cap is left in train), and never all of them (train keeps at least
+    one cluster).
     """
     n = len(doc_idx)
-    want = max(cfg.min_val_docs, math.ceil(cfg.val_fraction * n))
+    want_docs = max(cfg.min_val_docs, math.ceil(cfg.val_fraction * n))
+    cap = max(1, math.floor(cfg.max_val_fraction * n))
     members: dict[str, list[int]] = {}
     for pos, i in enumerate(doc_idx):
         members.setdefault(clusters[i], []).append(pos)
     order = sorted(members)
     rng.shuffle(order)
     val = np.zeros(n, dtype=bool)
-    taken = 0
+    docs = taken_chars = 0
     for cluster in order[:-1]:  # the last cluster always stays in train
-        if taken >= want:
+        if docs >= want_docs and taken_chars >= cfg.min_val_chars:
             break
-        val[members[cluster]] = True
-        taken += len(members[cluster])
+        pos = members[cluster]
+        if docs + len(pos) > cap:
+            continue
+        val[pos] = True
+        docs += len(pos)
+        taken_chars += int(chars[doc_idx[pos]].sum())
     return val
 
 
@@ -227,7 +235,7 @@ def run_mix(cfg: MixConfig, in_dir: str | Path, out_dir: str | Path) -> dict[str
     copies = np.zeros(n, dtype=np.int64)
     by_domain = {d: np.flatnonzero(domains == d) for d in sorted(set(domains.tolist()))}
     for d, idx in by_domain.items():
-        is_val[idx] = split_val(idx, clusters, cfg, domain_rng(cfg.seed, d, "split"))
+        is_val[idx] = split_val(idx, clusters, chars, cfg, domain_rng(cfg.seed, d, "split"))
     targets = train_targets({d: float(units[idx[~is_val[idx]]].sum())
                              for d, idx in by_domain.items()}, cfg)
     for d, idx in by_domain.items():
@@ -285,6 +293,9 @@ def _metrics(by_domain: dict[str, np.ndarray], is_val: np.ndarray, copies: np.nd
             "train_chars": int((chars[train] * copies[train]).sum()),
             "val_docs": len(val),
             "val_chars": int(chars[val].sum()),
+            # Held back by max_val_fraction (a small domain): its val figures are rough.
+            "val_below_minimum": bool(len(val) < cfg.min_val_docs
+                                      or chars[val].sum() < cfg.min_val_chars),
         }
     metrics = counts.as_dict()
     for d, extra in shares.items():
