@@ -15,6 +15,7 @@ import torch
 from lmforge.config import Params
 from lmforge.errors import InputError
 from lmforge.evaluate import samples_markdown, score_split
+from lmforge.evaluate.scoring import WEIGHTING
 from lmforge.evaluate.tracking import log_to_mlflow
 from lmforge.io import write_json, write_text
 from lmforge.model import load_model
@@ -36,15 +37,25 @@ def main(params: Params) -> None:
     seq_len = model.config.seq_len
     started = time.perf_counter()
 
+    mixture = ShardSet("data/shards/train").domain_shares()
     val = score_split(model, ShardSet("data/shards/val"), seq_len, cfg.batch_size,
-                      cfg.max_batches, device, amp).as_dict()
-    results: dict = {"val": val, "bits_per_byte": val["bits_per_byte"]}
+                      cfg.max_batches, device, amp).as_dict(mixture)
+    for name, d in val["domains"].items():
+        d["mix_weight_tokens"] = mixture.get(name, {}).get("tokens", 0.0)
+        d["mix_weight_bytes"] = mixture.get(name, {}).get("bytes", 0.0)
+    headline = val["mix_weighted"]
+    results: dict = {"loss": headline["loss"], "bits_per_byte": headline["bits_per_byte"],
+                     "weighting": {"headline": "loss and bits_per_byte are val.mix_weighted",
+                                   **WEIGHTING},
+                     "val": val}
     if cfg.train_batches:
         train = score_split(model, ShardSet("data/shards/train"), seq_len, cfg.batch_size,
-                            cfg.train_batches, device, amp).as_dict()
-        results["train"] = {k: train[k] for k in ("loss", "perplexity", "bits_per_byte",
-                                                  "tokens")}
-        results["train_val_gap"] = val["loss"] - train["loss"]
+                            cfg.train_batches, device, amp).as_dict(mixture)
+        results["train"] = {k: train[k] for k in ("mix_weighted", "token_weighted")}
+        # Both sides weighted alike: the gap measures overfitting, not the val split's
+        # domain shares.
+        results["train_val_gap_mix_weighted"] = (headline["loss"]
+                                                 - train["mix_weighted"]["loss"])
 
     samples = samples_markdown(model, tokenizer, cfg.prompts, cfg.temperatures,
                                cfg.max_new_tokens, cfg.top_k, cfg.seed)
@@ -53,12 +64,17 @@ def main(params: Params) -> None:
     write_json("metrics/eval.json", results)
     write_text("metrics/samples.md", samples)
     write_json("plots/eval_domains.json", [
-        {"domain": name, "bits_per_byte": d["bits_per_byte"], "loss": d["loss"]}
+        {"domain": name, "bits_per_byte": d["bits_per_byte"],
+         "bits_per_byte_stderr": d["bits_per_byte_stderr"], "loss": d["loss"],
+         "loss_stderr": d["loss_stderr"]}
         for name, d in sorted(val["domains"].items())
     ])
     log_to_mlflow(results, samples, FINAL)
-    print(f"evaluate: val loss {val['loss']:.4f}, ppl {val['perplexity']:.2f}, "
-          f"bits/byte {val['bits_per_byte']:.4f} over {val['tokens']:,} tokens")
+    pooled = val["token_weighted"]
+    print(f"evaluate: val loss {headline['loss']:.4f} ± {headline['loss_stderr']:.4f}, "
+          f"bits/byte {headline['bits_per_byte']:.4f} ± {headline['bits_per_byte_stderr']:.4f}"
+          f" (mixture-weighted; token-weighted {pooled['loss']:.4f}, "
+          f"{pooled['bits_per_byte']:.4f}) over {pooled['tokens']:,} tokens")
 
 
 if __name__ == "__main__":

@@ -159,10 +159,16 @@ def test_train_and_evaluate_outputs(pipeline):
     assert val[0] == "step\tval_loss" and len(val) >= 2
     assert len(tsv) > 1 + 24 // 4 - 1
     ev = load(root / "metrics" / "eval.json")
-    assert math.isfinite(ev["val"]["loss"])
-    assert ev["val"]["loss"] < math.log(VOCAB)  # it learned something in 24 steps
+    mix = ev["val"]["mix_weighted"]
+    assert ev["loss"] == mix["loss"] and ev["bits_per_byte"] == mix["bits_per_byte"]
+    assert math.isfinite(mix["loss"]) and math.isfinite(ev["val"]["token_weighted"]["loss"])
+    assert mix["loss"] < math.log(VOCAB)  # it learned something in 24 steps
+    assert 0 < mix["loss_stderr"] < 1 and "mix_weighted" in ev["weighting"]
+    assert math.isfinite(ev["train_val_gap_mix_weighted"])
     for domain in load(root / "metrics" / "ingest.json")["domains"]:
-        assert ev["val"]["domains"][domain]["bits_per_byte"] > 0
+        d = ev["val"]["domains"][domain]
+        assert d["bits_per_byte"] > 0 and d["docs"] >= 2 and d["loss_stderr"] > 0
+        assert 0 < d["mix_weight_tokens"] < 1
     samples = (root / "metrics" / "samples.md").read_text(encoding="utf-8")
     assert "床前明月光" in samples
 

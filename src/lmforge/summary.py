@@ -33,11 +33,23 @@ def summary(metrics_dir: str | Path = "metrics") -> str:
         vocab = tok.get("vocab_size")
         ref = f" (ln vocab = {math.log(vocab):.2f})" if vocab else ""
         val = ev["val"]
-        lines.append(f"evaluate  val loss {val['loss']:.3f}{ref}, perplexity "
-                     f"{val['perplexity']:.1f}, bits/byte {val['bits_per_byte']:.3f}")
+        mix, pooled = val.get("mix_weighted"), val.get("token_weighted", val)
+        if mix:
+            lines.append(f"evaluate  val loss {mix['loss']:.3f} ± {mix['loss_stderr']:.3f}"
+                         f"{ref}, bits/byte {mix['bits_per_byte']:.3f} ± "
+                         f"{mix['bits_per_byte_stderr']:.3f}  (mixture-weighted)")
+        lines.append(f"          val loss {pooled['loss']:.3f}, bits/byte "
+                     f"{pooled['bits_per_byte']:.3f}  (token-weighted, "
+                     f"{pooled['tokens']:,} tokens)")
+        gap = ev.get("train_val_gap_mix_weighted")
+        if gap is not None:
+            lines.append(f"          train/val gap {gap:+.3f} (val - train, mixture-weighted)")
         for name, d in sorted(val["domains"].items()):
-            lines.append(f"          {name:<14} loss {d['loss']:.3f}  "
-                         f"bits/byte {d['bits_per_byte']:.3f}")
+            err = (f" ± {d['loss_stderr']:.3f}", f" ± {d['bits_per_byte_stderr']:.3f}"
+                   ) if "loss_stderr" in d else ("", "")
+            lines.append(f"          {name:<14} loss {d['loss']:.3f}{err[0]}  "
+                         f"bits/byte {d['bits_per_byte']:.3f}{err[1]}  "
+                         f"({d.get('docs', '?')} docs)")
     return "\n".join(lines)
 
 

@@ -1,9 +1,23 @@
-"""Score a split of token shards: loss, perplexity and bits-per-byte, overall and per domain.
+"""Score a split of token shards: loss, perplexity and bits-per-byte, per domain and overall.
 
-Bits-per-byte is the headline: it divides the summed loss (in bits) by the UTF-8 bytes of
-the text that produced the scored tokens, so it does not depend on the tokenizer and runs
-with different vocabularies compare. Each token is charged the average bytes per token of
-its domain (from the shard manifest); on a full pass this sums to the domain's bytes.
+Bits-per-byte divides the summed loss (in bits) by the UTF-8 bytes of the text that
+produced the scored tokens, so it does not depend on the tokenizer and runs with
+different vocabularies compare. Each token is charged the average bytes per token of its
+domain (from the shard manifest); on a full pass this sums to the domain's bytes.
+
+Two overall figures, named after what they average over:
+
+- ``mix_weighted`` (the headline): each domain's figure weighted by its share of the
+  training mixture (its share of the train split's tokens for the loss, of its bytes for
+  bits-per-byte). It is the loss on text drawn like the training data, so it compares
+  with the training loss, and it does not move when the val split happens to hold more
+  of one domain.
+- ``token_weighted``: every scored token counts once, so domains weigh by their
+  accidental share of the val split.
+
+Per-domain figures carry a standard error from a bootstrap over documents (tokens of one
+document are not independent, documents are), so a difference in ``dvc metrics diff``
+can be told from noise.
 """
 
 from __future__ import annotations
@@ -11,52 +25,136 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from lmforge.shards.loader import ShardSet, eval_batches
 
+BOOTSTRAP_SAMPLES = 1000
+WEIGHTING = {
+    "mix_weighted": "each domain's figure weighted by its share of the training mixture "
+                    "(train split tokens for loss, train split bytes for bits_per_byte), "
+                    "renormalised over the domains scored",
+    "token_weighted": "every scored token counts once (domains weigh by their share of "
+                      "the tokens scored)",
+    "stderr": f"standard error from a bootstrap over documents ({BOOTSTRAP_SAMPLES} "
+              "resamples per domain); the mixture's combines the domains' as independent",
+}
+
 
 @dataclass
 class SplitScore:
-    """Summed nats and counts, per domain; turned into metrics by ``as_dict``."""
+    """Summed nats and token counts per document, grouped into domains by ``as_dict``."""
 
     domain_names: list[str]
     bytes_per_token: list[float]
-    nats: list[float] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
+    nats: dict[int, float] = field(default_factory=dict)  # per document
+    tokens: dict[int, int] = field(default_factory=dict)
+    doc_domain: dict[int, int] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self.nats = [0.0] * len(self.domain_names)
-        self.tokens = [0] * len(self.domain_names)
+    def add(self, token_nats: torch.Tensor, domains: torch.Tensor,
+            docs: torch.Tensor | None = None) -> None:
+        """Accumulate per-token losses (nats) by document (by domain when docs are unknown)."""
+        domains = domains.long()
+        # Without document ids, a domain is its own single "document" (no error bar).
+        keys = docs.long() if docs is not None else -1 - domains
+        uniq, inverse = torch.unique(keys, return_inverse=True)
+        nats = torch.zeros(len(uniq), dtype=torch.float64).index_add_(
+            0, inverse, token_nats.double())
+        counts = torch.bincount(inverse, minlength=len(uniq))
+        first = torch.full((len(uniq),), len(keys), dtype=torch.long).scatter_reduce_(
+            0, inverse, torch.arange(len(keys)), "amin")
+        for k, n, c, d in zip(uniq.tolist(), nats.tolist(), counts.tolist(),
+                              domains[first].tolist(), strict=True):
+            self.nats[k] = self.nats.get(k, 0.0) + n
+            self.tokens[k] = self.tokens.get(k, 0) + c
+            self.doc_domain[k] = d
 
-    def add(self, token_nats: torch.Tensor, domains: torch.Tensor) -> None:
-        """Accumulate per-token losses (nats) grouped by domain code."""
-        n = len(self.domain_names)
-        nats = torch.bincount(domains, weights=token_nats.double(), minlength=n)
-        counts = torch.bincount(domains, minlength=n)
-        for d in range(n):
-            self.nats[d] += float(nats[d])
-            self.tokens[d] += int(counts[d])
+    def domain_arrays(self, d: int) -> tuple[np.ndarray, np.ndarray]:
+        """(nats, tokens) per document of domain ``d``."""
+        keys = [k for k, dom in self.doc_domain.items() if dom == d]
+        return (np.array([self.nats[k] for k in keys], dtype=np.float64),
+                np.array([self.tokens[k] for k in keys], dtype=np.float64))
 
-    def as_dict(self) -> dict:
-        """``{"loss", "perplexity", "bits_per_byte", "tokens", "domains": {...}}``."""
-        def summary(nats: float, tokens: int, nbytes: float) -> dict:
-            loss = nats / tokens if tokens else float("nan")
-            return {
-                "loss": loss,
-                "perplexity": math.exp(loss) if tokens else float("nan"),
-                "bits_per_byte": nats / math.log(2) / nbytes if nbytes else float("nan"),
-                "tokens": tokens,
-            }
-
+    def as_dict(self, mixture: dict[str, dict[str, float]] | None = None) -> dict:
+        """Per-domain figures and the token-weighted (and, given ``mixture``, the
+        mixture-weighted) overall ones; see the module docstring."""
         domains = {}
         for d, name in enumerate(self.domain_names):
-            if self.tokens[d]:
-                domains[name] = summary(self.nats[d], self.tokens[d],
-                                        self.tokens[d] * self.bytes_per_token[d])
-        total_bytes = sum(t * b for t, b in zip(self.tokens, self.bytes_per_token, strict=True))
-        return summary(sum(self.nats), sum(self.tokens), total_bytes) | {"domains": domains}
+            nats, tokens = self.domain_arrays(d)
+            if tokens.sum():
+                domains[name] = domain_figures(nats, tokens, self.bytes_per_token[d], seed=d)
+        total_nats = sum(self.nats.values())
+        total_tokens = sum(self.tokens.values())
+        total_bytes = sum(m["tokens"] * self.bytes_per_token[self.domain_names.index(n)]
+                          for n, m in domains.items())
+        out = {"token_weighted": summary(total_nats, total_tokens, total_bytes),
+               "domains": domains}
+        if mixture is not None:
+            out["mix_weighted"] = mix_weighted(domains, mixture)
+        return out
+
+
+def summary(nats: float, tokens: int, nbytes: float) -> dict:
+    """loss (nats/token), perplexity, bits_per_byte and the token count."""
+    loss = nats / tokens if tokens else float("nan")
+    return {
+        "loss": loss,
+        "perplexity": math.exp(loss) if tokens else float("nan"),
+        "bits_per_byte": nats / math.log(2) / nbytes if nbytes else float("nan"),
+        "tokens": int(tokens),
+    }
+
+
+def domain_figures(nats: np.ndarray, tokens: np.ndarray, bytes_per_token: float,
+                   seed: int = 0) -> dict:
+    """One domain's figures from its documents' summed nats and tokens, with stderr."""
+    out = summary(float(nats.sum()), int(tokens.sum()), float(tokens.sum()) * bytes_per_token)
+    se = bootstrap_stderr(nats, tokens, seed)
+    out["loss_stderr"] = se
+    out["bits_per_byte_stderr"] = (se / math.log(2) / bytes_per_token
+                                   if bytes_per_token else float("nan"))
+    out["docs"] = len(tokens)
+    return out
+
+
+def bootstrap_stderr(nats: np.ndarray, tokens: np.ndarray, seed: int = 0,
+                     samples: int = BOOTSTRAP_SAMPLES) -> float:
+    """Standard error of sum(nats)/sum(tokens) when the documents are resampled.
+
+    NaN for a single document: one document says nothing about the spread.
+    """
+    n = len(tokens)
+    if n < 2:
+        return float("nan")
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, n, size=(samples, n))
+    ratios = nats[picks].sum(axis=1) / np.maximum(tokens[picks].sum(axis=1), 1)
+    return float(ratios.std(ddof=1))
+
+
+def mix_weighted(domains: dict[str, dict], mixture: dict[str, dict[str, float]]) -> dict:
+    """The domains' figures weighted like the training mixture (renormalised over the
+    domains both scored and trained on); stderr combines the domains' independently."""
+    live = [d for d in domains if mixture.get(d, {}).get("tokens", 0) > 0]
+    if not live:
+        nan = float("nan")
+        return {"loss": nan, "perplexity": nan, "bits_per_byte": nan, "loss_stderr": nan,
+                "bits_per_byte_stderr": nan}
+    wt = {d: mixture[d]["tokens"] for d in live}
+    wb = {d: mixture[d]["bytes"] for d in live}
+    st, sb = sum(wt.values()), sum(wb.values())
+    loss = sum(wt[d] / st * domains[d]["loss"] for d in live)
+    bpb = sum(wb[d] / sb * domains[d]["bits_per_byte"] for d in live) if sb else float("nan")
+
+    def combined(key: str, w: dict[str, float], total: float) -> float:
+        return math.sqrt(sum((w[d] / total * domains[d][key]) ** 2 for d in live))
+
+    return {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": bpb,
+            "loss_stderr": combined("loss_stderr", wt, st),
+            "bits_per_byte_stderr": combined("bits_per_byte_stderr", wb, sb) if sb
+            else float("nan")}
 
 
 def bytes_per_token(shards: ShardSet) -> list[float]:
@@ -90,6 +188,7 @@ def score_split(model: torch.nn.Module, shards: ShardSet, seq_len: int, batch_si
         logits = logits[0] if isinstance(logits, tuple) else logits
         nats = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none",
                                ignore_index=-100)
-        keep = y.flatten() != -100
-        score.add(nats[keep].cpu(), batch["domain"].flatten()[keep.cpu()])
+        keep = (y.flatten() != -100).cpu()
+        score.add(nats.cpu()[keep], batch["domain"].flatten()[keep],
+                  batch["doc"].flatten()[keep])
     return score

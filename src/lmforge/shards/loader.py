@@ -113,6 +113,19 @@ class ShardSet:
         """Domain code of the document each token position belongs to (int64)."""
         return self.doc_domains[self.doc_of(positions)]
 
+    def domain_shares(self) -> dict[str, dict[str, float]]:
+        """Each domain's share of this split's tokens and of its bytes (the mixture).
+
+        On the train split these are the mixture the model was trained on: the weights
+        of the mixture-weighted val figures (lmforge.evaluate.scoring).
+        """
+        totals = self.manifest["totals"]
+        live = {d: t for d, t in totals.items() if t.get("tokens")}
+        tokens = sum(t["tokens"] for t in live.values())
+        nbytes = sum(t["bytes"] for t in live.values())
+        return {d: {"tokens": t["tokens"] / tokens, "bytes": t["bytes"] / nbytes if nbytes
+                    else 0.0} for d, t in sorted(live.items())}
+
     def doc_starts(self) -> np.ndarray:
         """Global start offset of every document (int64)."""
         return np.concatenate([[0], self.doc_ends[:-1]]).astype(np.int64)
@@ -240,8 +253,9 @@ def eval_batches(shards: ShardSet, seq_len: int, batch_size: int, max_batches: i
     """Deterministic evaluation batches; every token after the first is a target once.
 
     Windows of ``seq_len + 1`` tokens at stride ``seq_len``; the final partial window is
-    padded (input 0, target ``IGNORE_INDEX``, domain -1). Yields ``input``, ``target``
-    and ``domain`` (the domain code of each target token), all ``(B, seq_len)`` int64;
+    padded (input 0, target ``IGNORE_INDEX``, domain -1, doc -1). Yields ``input``,
+    ``target``, ``domain`` (the domain code of each target token) and ``doc`` (the index
+    of its document in the split), all ``(B, seq_len)`` int64;
     the last batch may be smaller. ``max_batches > 0`` scores that many batches of
     windows spread evenly over the stream instead of a full pass. ``return_doc_info`` adds
     ``positions``: each input token's offset within its document (0 in the padding).
@@ -263,14 +277,16 @@ def eval_batches(shards: ShardSet, seq_len: int, batch_size: int, max_batches: i
         batch_starts = starts[lo:lo + batch_size]
         tokens = shards.windows(batch_starts, seq_len + 1)
         inp, tgt = tokens[:, :-1], tokens[:, 1:]
-        dom = shards.domain_of(batch_starts[:, None] + 1 + ar)
+        doc = shards.doc_of(batch_starts[:, None] + 1 + ar)
+        dom = shards.doc_domains[doc]
         if lo + batch_size >= rows and tail > 0:
-            t_inp, t_tgt, t_dom = _tail_window(shards, full * seq_len, tail, seq_len)
-            inp, tgt, dom = (np.concatenate([inp, t_inp]), np.concatenate([tgt, t_tgt]),
-                             np.concatenate([dom, t_dom]))
+            t_inp, t_tgt, t_dom, t_doc = _tail_window(shards, full * seq_len, tail, seq_len)
+            inp, tgt, dom, doc = (np.concatenate([inp, t_inp]), np.concatenate([tgt, t_tgt]),
+                                  np.concatenate([dom, t_dom]), np.concatenate([doc, t_doc]))
         out = {"input": torch.from_numpy(np.ascontiguousarray(inp)),
                "target": torch.from_numpy(np.ascontiguousarray(tgt)),
-               "domain": torch.from_numpy(np.ascontiguousarray(dom))}
+               "domain": torch.from_numpy(np.ascontiguousarray(dom)),
+               "doc": torch.from_numpy(np.ascontiguousarray(doc))}
         if return_doc_info:
             pos = shards.positions_in_doc(batch_starts[:, None] + ar)
             if len(pos) < len(inp):  # the padded tail window
@@ -281,14 +297,16 @@ def eval_batches(shards: ShardSet, seq_len: int, batch_size: int, max_batches: i
         yield out
 
 
-def _tail_window(shards: ShardSet, start: int, tail: int,
-                 seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The last, partial window as padded ``(1, seq_len)`` input/target/domain rows."""
+def _tail_window(shards: ShardSet, start: int, tail: int, seq_len: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The last, partial window as padded ``(1, seq_len)`` input/target/domain/doc rows."""
     tokens = shards.read(start, start + tail + 1)
     inp = np.zeros((1, seq_len), np.int64)
     tgt = np.full((1, seq_len), IGNORE_INDEX, np.int64)
     dom = np.full((1, seq_len), -1, np.int64)
+    doc = np.full((1, seq_len), -1, np.int64)
     inp[0, :tail] = tokens[:-1]
     tgt[0, :tail] = tokens[1:]
-    dom[0, :tail] = shards.domain_of(start + 1 + np.arange(tail, dtype=np.int64))
-    return inp, tgt, dom
+    doc[0, :tail] = shards.doc_of(start + 1 + np.arange(tail, dtype=np.int64))
+    dom[0, :tail] = shards.doc_domains[doc[0, :tail]]
+    return inp, tgt, dom, doc

@@ -408,9 +408,15 @@ def _optimizer_step(step_model: torch.nn.Module, ddp: DistributedDataParallel | 
 @torch.no_grad()
 def evaluate_loss(model: Llama, data: TrainData, params: Params, precision: Precision,
                   env: DistEnv) -> float:
-    """Token-weighted mean val loss over ``train.eval_batches`` deterministic batches."""
+    """Val loss over ``train.eval_batches`` deterministic batches, mixture-weighted.
+
+    Each domain's mean loss is weighted by its share of the train split's tokens, as the
+    evaluate stage's headline is: the figure compares with the training loss, whatever
+    share of the val split each domain happens to have.
+    """
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=env.device)
+    names = list(data.val.domain_names)
+    sums = torch.zeros(2, len(names), dtype=torch.float64, device=env.device)
     doc_info = {"return_doc_info": True} if params.model.doc_mask else {}
     batches = data.eval_batches(data.val, params.model.seq_len, params.train.micro_batch_size,
                                 max_batches=params.train.eval_batches, **doc_info)
@@ -419,19 +425,33 @@ def evaluate_loss(model: Llama, data: TrainData, params: Params, precision: Prec
             continue
         inputs = torch.as_tensor(batch["input"]).to(env.device)
         targets = torch.as_tensor(batch["target"]).to(env.device)
+        domains = torch.as_tensor(batch["domain"]).to(env.device).flatten()
         positions = batch.get("positions")
         with precision.autocast():
             logits = model(inputs, positions=None if positions is None
                            else torch.as_tensor(positions).to(env.device))
         # Plain cross-entropy, so val loss stays comparable when label smoothing is on.
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="sum")
-        total += torch.stack([loss.double(), (targets != IGNORE_INDEX).sum().double()])
+        nats = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="none")
+        keep = targets.flatten() != IGNORE_INDEX
+        sums[0].index_add_(0, domains[keep], nats[keep].double())
+        sums[1].index_add_(0, domains[keep], torch.ones_like(nats[keep], dtype=torch.float64))
     if env.distributed:
-        dist.all_reduce(total)
+        dist.all_reduce(sums)
     model.train()
-    loss_sum, count = total.tolist()
-    return loss_sum / count if count else float("nan")
+    return mix_weighted_loss(sums[0].tolist(), sums[1].tolist(), names,
+                             data.train.domain_shares())
+
+
+def mix_weighted_loss(nats: list[float], tokens: list[float], names: list[str],
+                      shares: dict[str, dict[str, float]]) -> float:
+    """Sum over domains of (train token share) x (mean loss), renormalised over the
+    domains scored; token-weighted when no scored domain was trained on."""
+    live = [(n / t, shares[d]["tokens"]) for n, t, d in zip(nats, tokens, names, strict=True)
+            if t and d in shares]
+    if not live:
+        return sum(nats) / sum(tokens) if sum(tokens) else float("nan")
+    return sum(loss * w for loss, w in live) / sum(w for _, w in live)
 
 
 def _log_step(step: int, lr: float, grad_norm: float, interval: _Interval, skipped: int,
