@@ -118,3 +118,29 @@ def test_literal_choices_are_typed():
     assert from_dict(TrainConfig, {"compile": "auto"}, "train.").compile == "auto"
     with pytest.raises(ConfigError, match=r"train.compile: 0 is not one of auto, True, False"):
         from_dict(TrainConfig, {"compile": 0}, "train.")
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("rules", ["min_chars", "gopher_nope"],
+     r"filter.rules: unknown rule\(s\) gopher_nope \(known: boilerplate, c4_curly_bracket, "),
+    ("skip", ["c4", "nope"], r"filter.skip: unknown rule\(s\) nope \(known: .*, or a group\)"),
+    ("pii_kinds", ["email", "passport"],
+     r"filter.pii_kinds: unknown kind\(s\) passport \(known: email, phone, ip, cn_id\)"),
+])
+def test_unknown_filter_rule_or_pii_kind_is_one_line(tmp_path, key, value, message):
+    data = demo()
+    data["filter"][key] = value
+    with pytest.raises(ConfigError, match=message) as err:
+        load_params(write(tmp_path, data))
+    assert "\n" not in str(err.value)
+
+
+def test_loading_params_imports_no_filter_rule_code():
+    """Every stage loads params and its DVC code deps are what it imports, so validating
+    rule names and PII kinds must not import the rules (a rule edit would rerun train)."""
+    code = ("import sys; from lmforge.config import load_params; load_params('params.yaml'); "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('lmforge'))))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, check=True)
+    assert set(proc.stdout.split()) == {"lmforge", "lmforge.config", "lmforge.data",
+                                        "lmforge.data.rule_names", "lmforge.errors"}

@@ -3,6 +3,7 @@ and code; per-domain application; PII; the stage's rejects and metrics."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import re
@@ -14,10 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from lmforge.config import DomainFilterConfig, FilterConfig, load_params
-from lmforge.data import pii
+from lmforge.data import pii, rule_names, rulebook
 from lmforge.data.filtering import run_filter
 from lmforge.data.filters import RULES, domain_rules
 from lmforge.data.records import SCHEMA
+from lmforge.data.rulebook import groups
 from lmforge.data.textview import TextView
 from lmforge.errors import ConfigError
 
@@ -178,6 +180,30 @@ def test_unknown_rule_or_bad_threshold_is_a_config_error():
         FilterConfig(domains={"x": DomainFilterConfig(fineweb_max_short_line_ratio=2.0)}).validate()
     with pytest.raises(ConfigError, match="pii_kinds"):
         FilterConfig(pii_kinds=["email", "passport"]).validate()
+
+
+def test_rule_names_module_matches_the_registry_exactly():
+    """config validates against rule_names without importing the rules: it must name
+    exactly the registered rules, in their groups and run order, and the PII kinds."""
+    registered = {g: tuple(names) for g, names in groups().items()}
+    assert registered == rule_names.RULE_GROUPS
+    assert set(RULES) == rule_names.RULE_NAMES
+    assert {n: r.group for n, r in RULES.items()} == rule_names.RULE_GROUP
+    assert not rule_names.RULE_NAMES & set(rule_names.RULE_GROUPS)  # a name is one or the other
+    fields = {f.name for f in dataclasses.fields(FilterConfig)}
+    assert {r.threshold for r in RULES.values() if r.threshold} <= fields
+    assert pii.KINDS == rule_names.PII_KINDS
+    assert set(pii._FINDERS) == set(pii.PLACEHOLDERS) == set(rule_names.PII_KINDS)
+    assert set(FilterConfig().pii_kinds) <= set(rule_names.PII_KINDS)
+    assert not rule_names.unknown_rules(FilterConfig().rules + list(rule_names.RULE_GROUPS))
+
+
+def test_an_undeclared_rule_cannot_register():
+    with pytest.raises(ValueError, match="declare it in group 'basic'"):
+        rulebook.rule("not_declared", None)(lambda view, settings: 0.0)
+    with pytest.raises(ValueError, match="declare it in group 'c4'"):  # wrong group
+        rulebook.rule("min_chars_again", None, group="c4")(lambda view, settings: 0.0)
+    assert "not_declared" not in RULES and "min_chars_again" not in RULES
 
 
 def _demo_docs(domain: str, n: int) -> list[str]:

@@ -24,6 +24,8 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+# Names only, no rule code: every stage loads params, and imports are its DVC deps.
+from lmforge.data.rule_names import PII_KINDS, RULE_NAMES, unknown_rules
 from lmforge.errors import ConfigError
 
 # --------------------------------------------------------------------------- sections
@@ -136,18 +138,15 @@ class FilterConfig:
 
 
 def _check_filter_settings(cfg: FilterConfig, where: str) -> None:
-    from lmforge.data.filters import RULES, unknown_rules  # lazy: keeps config import-light
-    from lmforge.data.pii import KINDS
-
     for key in ("rules", "skip"):
         bad = unknown_rules(getattr(cfg, key))
         if bad:
             raise ConfigError(f"{where}.{key}: unknown rule(s) {', '.join(bad)} "
-                              f"(known: {', '.join(sorted(RULES))}, or a group)")
-    bad = sorted(set(cfg.pii_kinds) - set(KINDS))
+                              f"(known: {', '.join(sorted(RULE_NAMES))}, or a group)")
+    bad = sorted(set(cfg.pii_kinds) - set(PII_KINDS))
     if bad:
         raise ConfigError(f"{where}.pii_kinds: unknown kind(s) {', '.join(bad)} "
-                          f"(known: {', '.join(KINDS)})")
+                          f"(known: {', '.join(PII_KINDS)})")
     for f in dataclasses.fields(FilterConfig):
         value = getattr(cfg, f.name)
         if f.type in ("int", "float") and value < 0:

@@ -2,7 +2,8 @@
 
 The rules live in ``rules_basic`` (the practice notes), ``rules_gopher``, ``rules_c4``
 and ``rules_fineweb``; ``filter.rules`` names rules or whole groups of them, and
-``filter.domains.<domain>`` overrides any setting for one domain.
+``filter.domains.<domain>`` overrides any setting for one domain. The names alone are
+in ``rule_names``, which config validates against without importing the rules.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from lmforge.config import FilterConfig
 from lmforge.data import rules_basic, rules_c4, rules_fineweb, rules_gopher  # noqa: F401 (register)
+from lmforge.data.rule_names import unknown_rules
 from lmforge.data.rulebook import RULES, Rule, groups
 from lmforge.data.textview import TextView
 
@@ -28,12 +30,6 @@ def expand_rules(names: list[str]) -> list[str]:
             if r not in out:
                 out.append(r)
     return out
-
-
-def unknown_rules(names: list[str]) -> list[str]:
-    """The names in ``names`` that are neither rules nor groups of rules."""
-    by_group = groups()
-    return [n for n in names if n not in RULES and n not in by_group]
 
 
 @dataclass(frozen=True)

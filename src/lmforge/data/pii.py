@@ -11,7 +11,9 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-KINDS = ("email", "phone", "ip", "cn_id")
+from lmforge.data.rule_names import PII_KINDS
+
+KINDS = PII_KINDS  # declared with the rule names: config validates without this module
 PLACEHOLDERS = {"email": "<EMAIL>", "phone": "<PHONE>", "ip": "<IP>", "cn_id": "<ID_NUMBER>"}
 
 _EMAIL = re.compile(r"(?<![\w.+-])[A-Za-z0-9][A-Za-z0-9._%+-]*@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*"

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lmforge.data.rule_names import RULE_GROUP
 from lmforge.data.textview import TextView
 
 Measure = Callable[[TextView, Mapping[str, Any]], "float | None"]
@@ -52,6 +53,9 @@ def rule(name: str, threshold: str | None, *, reject_below: bool = False, prose:
     def register(measure: Measure) -> Measure:
         if name in RULES:
             raise ValueError(f"filter rule '{name}' is registered twice")
+        if RULE_GROUP.get(name) != group:  # config checks params.yaml against those names
+            raise ValueError(f"filter rule '{name}': declare it in group '{group}' of "
+                             f"lmforge.data.rule_names.RULE_GROUPS")
         RULES[name] = Rule(name, measure, threshold, reject_below, prose, group)
         return measure
 
