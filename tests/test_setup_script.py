@@ -1,0 +1,77 @@
+"""scripts/setup.sh picks the CPU build of torch without a GPU, and says so when it can't."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+SETUP = Path(__file__).resolve().parents[1] / "scripts" / "setup.sh"
+
+
+def choose(tmp_path: Path, gpu: bool, **env: str) -> tuple[str, str]:
+    """Source setup.sh, run choose_torch; return ("spec|index", stderr)."""
+    bin_dir = tmp_path / ("gpu" if gpu else "nogpu")
+    bin_dir.mkdir(exist_ok=True)
+    if gpu:  # a stand-in nvidia-smi that lists one GPU
+        fake = bin_dir / "nvidia-smi"
+        fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100'\n")
+        fake.chmod(0o755)
+    path = f"{bin_dir}:{os.environ['PATH']}" if gpu else _path_without_nvidia_smi()
+    full = {k: v for k, v in os.environ.items()
+            if k not in ("TORCH_SPEC", "TORCH_INDEX", "TORCH_CPU_INDEX")}
+    full.update(env, PATH=path)
+    proc = subprocess.run(["bash", "-c", f'source "{SETUP}"; choose_torch python3; '
+                           'echo "$TORCH_SPEC|$TORCH_INDEX"'],
+                          env=full, capture_output=True, text=True, timeout=60, check=True)
+    return proc.stdout.strip(), proc.stderr.strip()
+
+
+def _path_without_nvidia_smi() -> str:
+    dirs = os.environ["PATH"].split(os.pathsep)
+    return os.pathsep.join(d for d in dirs if not (Path(d) / "nvidia-smi").exists())
+
+
+@pytest.fixture()
+def cpu_index(tmp_path):
+    """A local stand-in for PyTorch's CPU index (answers for /torch/)."""
+    root = tmp_path / "idx"
+    (root / "whl" / "cpu" / "torch").mkdir(parents=True)
+    (root / "whl" / "cpu" / "torch" / "index.html").write_text("<html></html>")
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a, **k):
+            super().__init__(*a, directory=str(root), **k)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_without_a_gpu_torch_comes_from_the_cpu_index(tmp_path, cpu_index):
+    got, err = choose(tmp_path, gpu=False, TORCH_CPU_INDEX=f"{cpu_index}/whl/cpu")
+    assert got == f"torch==2.13.0|{cpu_index}/whl/cpu"
+    assert err == ""
+
+
+def test_an_unreachable_cpu_index_falls_back_with_one_warning(tmp_path, cpu_index):
+    for index in (f"{cpu_index}/nothing", "http://127.0.0.1:9/whl/cpu"):  # 404, closed port
+        got, err = choose(tmp_path, gpu=False, TORCH_CPU_INDEX=index)
+        assert got == "torch==2.13.0|"
+        assert len(err.splitlines()) == 1 and "CPU index" in err and "unreachable" in err
+
+
+def test_a_gpu_or_the_users_choice_skips_the_cpu_index(tmp_path):
+    assert choose(tmp_path, gpu=True)[0] == "torch|"
+    assert choose(tmp_path, gpu=False, TORCH_SPEC="torch==2.6.0",
+                  TORCH_INDEX="https://x/cu124")[0] == "torch==2.6.0|https://x/cu124"
+    assert choose(tmp_path, gpu=False, TORCH_INDEX="https://x/cpu")[0] == "torch==2.13.0|https://x/cpu"
