@@ -60,24 +60,31 @@ class IngestConfig:
         _non_negative(self, "num_workers")
 
 
-def _default_filter_rules() -> list[str]:
-    # Rule names or group names (gopher_quality, gopher_repetition, c4, fineweb).
-    return ["min_chars", "hash_line_ratio", "char_repeat", "control_chars", "boilerplate",
-            "gopher_quality", "gopher_repetition", "fineweb"]
+# Kinds of text a domain can declare; lmforge.data.kinds gives each its rules and
+# thresholds (tests/test_filter_kinds.py keeps the two lists equal).
+FilterKind = Literal["web", "prose", "verse", "reference", "math", "code"]
 
 
 @dataclass
 class FilterConfig:
-    """Quality rules, their thresholds and the PII step; ``domains`` overrides any of them.
+    """Quality rules, their thresholds, the loss guard and the PII step; ``domains``
+    overrides any of them for one domain.
 
-    Rules marked as prose rules (Gopher, C4, FineWeb, '#' lines, boilerplate) are
-    skipped for a domain of ``kind: code`` unless that domain lists them in ``rules``.
+    A domain's ``kind`` decides which rules can run on it and moves some thresholds
+    (lmforge.data.kinds; README "Filter kinds"); ``rules`` narrows that set (a domain's
+    own ``rules`` list is taken as is) and ``skip`` takes rules out.
     """
 
-    rules: list[str] = field(default_factory=_default_filter_rules)
-    # Rules or groups taken out of ``rules`` (handy in a domain override).
+    # Rule or group names (gopher_quality, gopher_repetition, c4, fineweb); null = all
+    # of each domain's kind.
+    rules: list[str] | None = None
+    # Rules or groups taken out (handy in a domain override).
     skip: list[str] = field(default_factory=list)
-    kind: Literal["prose", "code"] = "prose"
+    kind: FilterKind = "prose"
+    # Loss guard: the stage stops when the rules remove more than this share of a
+    # domain's documents (1.0 = any loss is expected), or leave fewer than min_docs.
+    max_loss: float = 0.5
+    min_docs: int = 10
     # --- the practice notes
     min_chars: int = 200
     # Share of non-empty lines that start with '#' (markdown/comment spam); code opts out.
@@ -139,7 +146,7 @@ class FilterConfig:
 
 def _check_filter_settings(cfg: FilterConfig, where: str) -> None:
     for key in ("rules", "skip"):
-        bad = unknown_rules(getattr(cfg, key))
+        bad = unknown_rules(getattr(cfg, key) or [])
         if bad:
             raise ConfigError(f"{where}.{key}: unknown rule(s) {', '.join(bad)} "
                               f"(known: {', '.join(sorted(RULE_NAMES))}, or a group)")
@@ -155,6 +162,9 @@ def _check_filter_settings(cfg: FilterConfig, where: str) -> None:
             raise ConfigError(f"{where}.{f.name}: {value} must be in [0, 1]")
     if cfg.min_chars <= 0:
         raise ConfigError(f"{where}.min_chars: {cfg.min_chars} must be > 0")
+    if not 0 <= cfg.max_loss <= 1:
+        raise ConfigError(f"{where}.max_loss: {cfg.max_loss} must be in [0, 1] "
+                          "(1 = any loss is expected)")
 
 
 # Per-domain overrides: every FilterConfig setting, optional (None = the default's value).

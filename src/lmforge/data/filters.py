@@ -1,9 +1,11 @@
 """Quality filtering of one document: the rules a domain runs, with thresholds resolved.
 
 The rules live in ``rules_basic`` (the practice notes), ``rules_gopher``, ``rules_c4``
-and ``rules_fineweb``; ``filter.rules`` names rules or whole groups of them, and
-``filter.domains.<domain>`` overrides any setting for one domain. The names alone are
-in ``rule_names``, which config validates against without importing the rules.
+and ``rules_fineweb``. A domain's kind (``lmforge.data.kinds``) gives the rules that fit
+its text and moves some thresholds; ``filter.rules`` narrows the set, ``skip`` takes
+rules out, and ``filter.domains.<domain>`` overrides any setting for one domain. The
+names alone are in ``rule_names``, which config validates against without importing
+the rules.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmforge.config import FilterConfig
-from lmforge.data import rules_basic, rules_c4, rules_fineweb, rules_gopher  # noqa: F401 (register)
+from lmforge.data import kinds, rules_basic, rules_c4, rules_fineweb, rules_gopher  # noqa: F401 (register)
 from lmforge.data.rule_names import unknown_rules
 from lmforge.data.rulebook import RULES, Rule, groups
 from lmforge.data.textview import TextView
@@ -54,19 +56,36 @@ class DomainRules:
         return None
 
 
-def domain_rules(cfg: FilterConfig, domain: str) -> DomainRules:
-    """Resolve ``filter.domains.<domain>`` over the defaults.
+_DEFAULTS = FilterConfig()
 
-    A domain of ``kind: code`` that inherits the default rule list drops the prose
-    rules from it; one that lists its own rules gets exactly those.
+
+def domain_rules(cfg: FilterConfig, domain: str) -> DomainRules:
+    """Resolve the rules and settings of ``domain``.
+
+    Rules: the domain's own ``rules`` list as given; otherwise its kind's rules, narrowed
+    to ``filter.rules`` when that is set; then ``skip`` takes rules out. Settings: the
+    domain's override, else the global value, except that a key still at its default
+    takes the kind's value (``kinds.KIND_SETTINGS``).
     """
     override = cfg.domains.get(domain)
     given = {k: v for k, v in dataclasses.asdict(override).items() if v is not None} \
         if override is not None else {}
-    settings = {f.name: given.get(f.name, getattr(cfg, f.name))
-                for f in dataclasses.fields(cfg) if f.name != "domains"}
+    kind = given.get("kind", cfg.kind)
+    by_kind = kinds.KIND_SETTINGS[kind]
+    settings: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        if f.name in ("domains", "num_workers"):
+            continue
+        value = getattr(cfg, f.name)
+        if f.name in by_kind and value == getattr(_DEFAULTS, f.name):
+            value = by_kind[f.name]
+        settings[f.name] = given.get(f.name, value)
     skipped = set(expand_rules(settings["skip"]))
-    names = [n for n in expand_rules(settings["rules"]) if n not in skipped]
-    if settings["kind"] == "code" and "rules" not in given:
-        names = [n for n in names if not RULES[n].prose]
-    return DomainRules(tuple(RULES[n] for n in names), settings)
+    if "rules" in given:
+        names = expand_rules(given["rules"])
+    else:
+        names = list(kinds.KIND_RULES[kind])
+        if cfg.rules is not None:
+            narrowed = set(expand_rules(cfg.rules))
+            names = [n for n in names if n in narrowed]
+    return DomainRules(tuple(RULES[n] for n in names if n not in skipped), settings)
