@@ -8,6 +8,7 @@ the document under the rule ``pii``.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,8 +120,39 @@ def run_filter(cfg: FilterConfig, in_dir: str | Path, out_dir: str | Path) -> di
                 redacted.setdefault(domain, Counter()).update(found)
     metrics = counts.as_dict()
     for domain, c in metrics["domains"].items():
-        c["rules"] = [r.name for r in domain_rules(cfg, domain).rules]
+        rules = domain_rules(cfg, domain)
+        c["kind"] = rules.settings["kind"]
+        c["loss"] = round(1 - c["kept"] / c["in"], 4) if c["in"] else 0.0
+        c["rules"] = [r.name for r in rules.rules]
         if cfg.pii == "redact" or domain in redacted:
             c["pii_redacted"] = dict(sorted(redacted.get(domain, Counter()).items()))
     metrics["parts"] = len(parts)
     return metrics
+
+
+def loss_problems(cfg: FilterConfig, metrics: dict[str, Any]) -> list[str]:
+    """One line per domain the rules cut too far: more than ``max_loss`` of its documents
+    removed, or fewer than ``min_docs`` left; each names the rules and the override."""
+    problems = []
+    for domain, c in metrics["domains"].items():
+        s = domain_rules(cfg, domain).settings
+        lost, n_in = c["in"] - c["kept"], c["in"]
+        share = lost / n_in if n_in else 0.0
+        top = sorted(c["rejected"].items(), key=lambda kv: (-kv[1], kv[0]))
+        by_rule = ", ".join(f"{r} {n:,}" for r, n in top) or "no rule"
+        where = f"filter.domains.{domain}"
+        rules = [r for r, _ in top if r != PII_RULE]
+        keep = (f"keep them with {where}.skip: [{', '.join(rules)}] (or a kind that fits "
+                f"the text, now {s['kind']})" if rules else "keep them with filter.pii: redact")
+        if share > s["max_loss"]:
+            accept = math.ceil(share * 20) / 20
+            problems.append(
+                f"filter: {domain} lost {lost:,} of {n_in:,} documents ({share:.0%}, above "
+                f"max_loss {s['max_loss']}): {by_rule}; {keep}, or accept the loss with "
+                f"{where}.max_loss: {accept}")
+        elif c["kept"] < s["min_docs"]:
+            problems.append(
+                f"filter: {domain} kept {c['kept']:,} of {n_in:,} documents, fewer than "
+                f"min_docs {s['min_docs']} (too few for a val split): {by_rule}; {keep}, "
+                f"add documents, or accept it with {where}.min_docs: {c['kept']}")
+    return problems
