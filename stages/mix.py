@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lmforge.config import Params
-from lmforge.data.mix import run_mix
+from lmforge.data.mix import run_mix, shortfall_line
 from lmforge.data.report import print_report
 from lmforge.io import write_json
 from lmforge.stage import run_stage
@@ -13,6 +13,9 @@ def main(params: Params) -> None:
     metrics = run_mix(params.mix, "data/deduped", "data/mixed")
     write_json("metrics/mix.json", metrics)
     print_report("mix", metrics)
+    for domain, short in metrics["shortfalls"].items():
+        print(f"{shortfall_line(domain, short, params.mix)}; within mix.max_shortfall "
+              f"{params.mix.max_shortfall}")
     for domain, m in sorted(metrics["domains"].items()):
         if m["val_below_minimum"]:
             cfg = params.mix

@@ -148,3 +148,42 @@ def test_mix_metrics_flag_a_domain_whose_val_is_below_the_minimum(tmp_path):
                           num_workers=1), src, tmp_path / "out")
     assert m["domains"]["a"]["val_docs"] == 20 and not m["domains"]["a"]["val_below_minimum"]
     assert m["domains"]["b"]["val_docs"] == 2 and m["domains"]["b"]["val_below_minimum"]
+
+
+def test_a_weighted_domain_without_documents_is_an_error(tmp_path):
+    from lmforge.errors import InputError
+
+    make_corpus(tmp_path / "in")
+    weights = {"big": 0.2, "mid": 0.3, "zh": 0.4, "gone": 0.1}
+    with pytest.raises(InputError, match=r"^mix: gone has weight 0.1 \(10% of the train split\) "
+                                         r"but no documents in .*; give it documents or set "
+                                         r"mix.weights.gone: 0$"):
+        run_mix(cfg(weights=weights), tmp_path / "in", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    m = run_mix(cfg(weights={**weights, "gone": 0}), tmp_path / "in", tmp_path / "out")
+    assert "gone" not in m["domains"] and m["shortfalls"] == {}
+
+
+def test_a_share_out_of_reach_is_reported_and_fails_above_the_tolerance(tmp_path):
+    from lmforge.errors import InputError
+
+    make_corpus(tmp_path / "in")
+    # zh holds ~60k characters; at most 1 epoch it cannot be half of a 400k train split.
+    short = cfg(total=400_000, max_epochs=1.0)
+    with pytest.raises(InputError, match=r"^mix: zh: asked 50.0% of the train split, got "
+                                         r"\d+\.\d% \(\d+% short; 1 epochs, it is at "
+                                         r"mix.max_epochs 1\), above mix.max_shortfall 0.2"):
+        run_mix(short, tmp_path / "in", tmp_path / "out")
+    m = run_mix(cfg(total=400_000, max_epochs=1.0, max_shortfall=1.0), tmp_path / "in",
+                tmp_path / "out")
+    zh = m["shortfalls"]["zh"]
+    assert zh["asked"] == 0.5 and zh["got"] == m["domains"]["zh"]["achieved_share"] < 0.4
+    assert zh["shortfall"] == m["domains"]["zh"]["shortfall"] > 0.2 and zh["epochs"] == 1.0
+    assert set(m["shortfalls"]) == {"zh"}  # the others got what they asked, or more
+
+
+def test_no_shortfall_when_the_total_follows_the_caps(tmp_path):
+    make_corpus(tmp_path / "in")
+    m = run_mix(cfg(), tmp_path / "in", tmp_path / "out")
+    assert m["shortfalls"] == {}
+    assert all(d["shortfall"] <= 0.01 for d in m["domains"].values())

@@ -214,6 +214,9 @@ class MixConfig:
     unit: Literal["chars", "tokens_estimate"] = "chars"
     # Up-sampling repeats a domain at most this many times.
     max_epochs: float = 4.0
+    # A domain that cannot reach its share within max_epochs is reported (asked vs got in
+    # metrics/mix.json); short by more than this fraction of its share, it is an error.
+    max_shortfall: float = 0.2
     # Train size in units (characters); null = as large as the weights and caps allow.
     total: int | None = None
     # Val per domain: at least val_fraction of its documents, min_val_docs documents and
@@ -237,6 +240,7 @@ class MixConfig:
             raise ConfigError("mix.weights: at least one weight must be > 0")
         if self.max_epochs < 1:
             raise ConfigError(f"mix.max_epochs: {self.max_epochs} must be >= 1")
+        _fraction(self, "max_shortfall")
         if not 0 < self.val_fraction < 1:
             raise ConfigError(f"mix.val_fraction: {self.val_fraction} must be in (0, 1)")
         if not self.val_fraction <= self.max_val_fraction < 1:

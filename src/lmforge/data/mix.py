@@ -230,6 +230,8 @@ def run_mix(cfg: MixConfig, in_dir: str | Path, out_dir: str | Path) -> dict[str
     if missing:
         raise InputError(f"{in_dir}: domain(s) {', '.join(missing)} have no mix.weights entry")
 
+    check_weighted_domains(cfg, set(domains.tolist()), in_dir)
+
     n = len(ids)
     is_val = np.zeros(n, dtype=bool)
     copies = np.zeros(n, dtype=np.int64)
@@ -241,6 +243,14 @@ def run_mix(cfg: MixConfig, in_dir: str | Path, out_dir: str | Path) -> dict[str
     for d, idx in by_domain.items():
         train = idx[~is_val[idx]]
         copies[train] = sample_copies(units[train], targets[d], domain_rng(cfg.seed, d, "sample"))
+    shortfalls = shortfall_of(by_domain, is_val, copies, units, cfg)
+    too_short = {d: s for d, s in shortfalls.items() if s["shortfall"] > cfg.max_shortfall}
+    if too_short:
+        raise InputError("\nerror: ".join(shortfall_line(d, s, cfg) + (
+            f", above mix.max_shortfall {cfg.max_shortfall}: raise mix.max_epochs, lower "
+            f"mix.weights.{d}{' or mix.total' if cfg.total is not None else ''}, or accept "
+            f"it with mix.max_shortfall: {math.ceil(s['shortfall'] * 20) / 20}")
+            for d, s in sorted(too_short.items())))
 
     placements = {
         "train": place(copies, cfg.part_docs, np.random.default_rng([cfg.seed, 0])),
@@ -264,7 +274,55 @@ def run_mix(cfg: MixConfig, in_dir: str | Path, out_dir: str | Path) -> dict[str
             assert written == len(pl.doc), f"{split}: wrote {written} of {len(pl.doc)} rows"
         shutil.rmtree(buckets, ignore_errors=True)  # absent when no row was selected
 
-    return _metrics(by_domain, is_val, copies, chars, units, targets, cfg)
+    metrics = _metrics(by_domain, is_val, copies, chars, units, targets, cfg)
+    for d, short in shortfalls.items():
+        metrics["domains"][d]["shortfall"] = short["shortfall"]
+    # Domains short of their asked share by more than REPORT_SHORTFALL: asked vs got.
+    metrics["shortfalls"] = {d: s for d, s in sorted(shortfalls.items())
+                             if s["shortfall"] > REPORT_SHORTFALL}
+    return metrics
+
+
+# A shortfall above this (relative) is reported; above mix.max_shortfall it is an error.
+REPORT_SHORTFALL = 0.01
+
+
+def check_weighted_domains(cfg: MixConfig, present: set[str], where: str | Path) -> None:
+    """A domain with a weight must have documents: never renormalise over the others."""
+    total = sum(cfg.weights.values())
+    empty = [(d, w) for d, w in sorted(cfg.weights.items()) if w > 0 and d not in present]
+    if empty:
+        raise InputError("\nerror: ".join(
+            f"mix: {d} has weight {w} ({w / total:.0%} of the train split) but no documents "
+            f"in {where} (see metrics/filter.json and metrics/dedup.json); give it documents "
+            f"or set mix.weights.{d}: 0" for d, w in empty))
+
+
+def shortfall_of(by_domain: dict[str, np.ndarray], is_val: np.ndarray, copies: np.ndarray,
+                 units: np.ndarray, cfg: MixConfig) -> dict[str, dict[str, float]]:
+    """Per domain: the share of the train split asked (weights) and got, the relative
+    shortfall, and the epochs used (a domain capped at max_epochs falls short)."""
+    train_units = {d: float((units[idx] * copies[idx] * ~is_val[idx]).sum())
+                   for d, idx in by_domain.items()}
+    unique = {d: float(units[idx[~is_val[idx]]].sum()) for d, idx in by_domain.items()}
+    total = sum(train_units.values())
+    weight_sum = sum(cfg.weights.get(d, 0.0) for d in by_domain)
+    out = {}
+    for d in by_domain:
+        asked = cfg.weights.get(d, 0.0) / weight_sum if weight_sum else 0.0
+        got = train_units[d] / total if total else 0.0
+        out[d] = {"asked": round(asked, 6), "got": round(got, 6),
+                  "shortfall": round(max(0.0, 1 - got / asked), 4) if asked else 0.0,
+                  "epochs": round(train_units[d] / unique[d], 4) if unique[d] else 0.0}
+    return out
+
+
+def shortfall_line(domain: str, s: dict[str, float], cfg: MixConfig) -> str:
+    """``mix: d: asked 15.0% of the train split, got 11.2% (25% short; 2.0 epochs, ...)``."""
+    why = (f"it is at mix.max_epochs {cfg.max_epochs:g}" if s["epochs"] >= cfg.max_epochs - 1e-6
+           else "its documents are too few and too long to sample finely")
+    return (f"mix: {domain}: asked {s['asked']:.1%} of the train split, got {s['got']:.1%} "
+            f"({s['shortfall']:.0%} short; {s['epochs']:g} epochs, {why})")
 
 
 def _metrics(by_domain: dict[str, np.ndarray], is_val: np.ndarray, copies: np.ndarray,
