@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 from lmforge.config import Params
+from lmforge.data.filter_report import render
 from lmforge.data.filtering import loss_problems, run_filter
 from lmforge.data.report import print_report
 from lmforge.errors import InputError
-from lmforge.io import write_json
+from lmforge.io import write_json, write_text
 from lmforge.stage import run_stage
 
 
 def main(params: Params) -> None:
-    metrics = run_filter(params.filter, "data/ingested", "data/filtered")
-    write_json("metrics/filter.json", metrics)
-    print_report("filter", metrics)
-    # Outputs and metrics stay for a look; DVC records nothing for a failed stage.
+    examples: dict = {}
+    metrics = run_filter(params.filter, "data/ingested", "data/filtered", examples)
     problems = loss_problems(params.filter, metrics)
+    write_json("metrics/filter.json", metrics)
+    write_text("metrics/filter_report.md", render(params.filter, metrics, examples, problems))
+    print_report("filter", metrics)
+    # Outputs, metrics and the report stay for a look; DVC records nothing for a failure.
     if problems:
         raise InputError("\nerror: ".join(problems))
 

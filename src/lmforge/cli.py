@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from lmforge.data.filter_cli import add_filter_parser
 from lmforge.errors import InputError, LmforgeError
 from lmforge.export import add_export_parser, add_import_parser
 from lmforge.shards.inspect import add_inspect_parser
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_inspect_parser(sub)
     add_train_parser(sub)
     add_checkpoints_parser(sub)
+    add_filter_parser(sub)
     return parser
 
 

@@ -19,6 +19,7 @@ import pyarrow as pa
 from lmforge.config import FilterConfig
 from lmforge.data import pii
 from lmforge.data.counts import Counts
+from lmforge.data.filter_report import add_example, merge_examples
 from lmforge.data.filters import DomainRules, domain_rules
 from lmforge.data.records import list_parts, read_table, write_table
 from lmforge.io import atomic_dir
@@ -51,6 +52,7 @@ PII_RULE = "pii"
 class PartResult:
     counts: Counts
     redacted: dict[str, Counter]  # per domain: personal data replaced, by kind
+    examples: dict[str, dict[str, list]]  # per domain and rule: the first rejects
 
 
 def _pii_step(text: str, rules: DomainRules) -> tuple[str, Counter | None, float]:
@@ -67,16 +69,31 @@ def _pii_step(text: str, rules: DomainRules) -> tuple[str, Counter | None, float
 def filter_part(task: PartTask) -> PartResult:
     """Filter one part; write the kept rows and the rejects; return the counts (worker)."""
     table = read_table(task.src)
+    kept, texts, rejected, counts, redacted, examples = judge_table(table, task.cfg)
+    kept = table.filter(pa.array(kept, pa.bool_()))
+    if redacted:  # only then did any text change
+        kept = kept.set_column(kept.schema.get_field_index("text"), "text",
+                               pa.array(texts, pa.string()))
+    write_table(kept, task.out)
+    write_table(pa.table(rejected, schema=REJECTS_SCHEMA), task.rejects_out)
+    return PartResult(counts, redacted, examples)
+
+
+def judge_table(table: pa.Table, cfg: FilterConfig) -> tuple[list[bool], list[str], dict,
+                                                              Counts, dict, dict]:
+    """Run the rules and the PII step on every row: (keep mask, kept texts, rejects
+    columns, counts, PII redacted per domain, rejected examples per domain and rule)."""
     rules: dict[str, DomainRules] = {}
     counts = Counts()
     redacted: dict[str, Counter] = {}
+    examples: dict[str, dict[str, list]] = {}
     keep: list[bool] = []
     texts: list[str] = []
     rejected: dict[str, list[Any]] = {name: [] for name in REJECTS_SCHEMA.names}
     cols = table.select(["id", "text", "domain", "source"]).to_pydict()
     for rid, text, domain, source in zip(cols["id"], cols["text"], cols["domain"], cols["source"], strict=True):
         if domain not in rules:
-            rules[domain] = domain_rules(task.cfg, domain)
+            rules[domain] = domain_rules(cfg, domain)
         c = counts[domain]
         c.n_in += 1
         failure = rules[domain].first_failure(text)
@@ -93,20 +110,17 @@ def filter_part(task: PartTask) -> PartResult:
             texts.append(text)
             continue
         c.rejected[failure[0]] += 1
+        add_example(examples, domain, failure[0], rid, float(failure[1]), text)
         for name, value in zip(REJECTS_SCHEMA.names, (rid, domain, source, failure[0],
                                                       float(failure[1]), text), strict=True):
             rejected[name].append(value)
-    kept = table.filter(pa.array(keep, pa.bool_()))
-    if redacted:  # only then did any text change
-        kept = kept.set_column(kept.schema.get_field_index("text"), "text",
-                               pa.array(texts, pa.string()))
-    write_table(kept, task.out)
-    write_table(pa.table(rejected, schema=REJECTS_SCHEMA), task.rejects_out)
-    return PartResult(counts, redacted)
+    return keep, texts, rejected, counts, redacted, examples
 
 
-def run_filter(cfg: FilterConfig, in_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
-    """Filter ``in_dir``/part-* into ``out_dir``; return per-domain metrics."""
+def run_filter(cfg: FilterConfig, in_dir: str | Path, out_dir: str | Path,
+               examples: dict[str, dict[str, list]] | None = None) -> dict[str, Any]:
+    """Filter ``in_dir``/part-* into ``out_dir``; return per-domain metrics (and fill
+    ``examples`` with the first rejects per domain and rule, in input order)."""
     parts = list_parts(in_dir)
     counts = Counts()
     with atomic_dir(out_dir) as tmp:
@@ -116,8 +130,17 @@ def run_filter(cfg: FilterConfig, in_dir: str | Path, out_dir: str | Path) -> di
         redacted: dict[str, Counter] = {}
         for result in imap_ordered(filter_part, tasks, cfg.num_workers, desc="filter"):
             counts.merge(result.counts)
+            if examples is not None:
+                merge_examples(examples, result.examples)
             for domain, found in result.redacted.items():
                 redacted.setdefault(domain, Counter()).update(found)
+    metrics = domain_metrics(cfg, counts, redacted)
+    metrics["parts"] = len(parts)
+    return metrics
+
+
+def domain_metrics(cfg: FilterConfig, counts: Counts, redacted: dict[str, Counter]) -> dict:
+    """Counts as metrics, with each domain's kind, loss, rules and PII redactions."""
     metrics = counts.as_dict()
     for domain, c in metrics["domains"].items():
         rules = domain_rules(cfg, domain)
@@ -126,7 +149,6 @@ def run_filter(cfg: FilterConfig, in_dir: str | Path, out_dir: str | Path) -> di
         c["rules"] = [r.name for r in rules.rules]
         if cfg.pii == "redact" or domain in redacted:
             c["pii_redacted"] = dict(sorted(redacted.get(domain, Counter()).items()))
-    metrics["parts"] = len(parts)
     return metrics
 
 
