@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
@@ -221,8 +223,8 @@ def test_eval_metrics_from_the_new_eval_json():
     assert m["eval/val_loss_token_weighted"] == 5.2
     assert m["eval/train_loss_mix_weighted"] == 4.9
     assert m["eval/train_val_gap_mix_weighted"] == 0.1
-    assert m["eval_domain/zh_modern/bits_per_byte"] == 3.0
-    assert m["eval_domain/math/bits_per_byte_stderr"] == 0.05
+    assert m["eval_domain/bits_per_byte/zh_modern"] == 3.0
+    assert m["eval_domain/bits_per_byte_stderr/math"] == 0.05
     assert not [k for k in m if "weighting" in k or "mix_weight_" in k]
     assert all(k.startswith(("eval/", "eval_domain/")) for k in m)
 
@@ -232,14 +234,52 @@ def test_eval_metrics_from_the_old_eval_json():
     assert m["eval/val_loss"] == 5.5
     assert m["eval/train_loss"] == 5.4
     assert m["eval/train_val_gap"] == -0.1
-    assert m["eval_domain/math/bits_per_byte"] == 2.1
-    assert "eval_domain/math/bits_per_byte_stderr" not in m
+    assert m["eval_domain/bits_per_byte/math"] == 2.1
+    assert "eval_domain/bits_per_byte_stderr/math" not in m
 
 
 def test_the_experiment_is_marked_as_model_training(store):
     train_run(store)
     exp = client(store).get_experiment_by_name(tracking.EXPERIMENT)
     assert exp.tags[KIND] == "custom_model_development"
+
+
+def view_state(tag_value: str) -> dict:
+    """The UI's saved-view envelope, unpacked as the UI does (deflate + base64)."""
+    envelope = json.loads(tag_value)
+    assert envelope["name"] == "Training" and isinstance(envelope["createdAt"], int)
+    packed = envelope["state"]
+    assert packed.startswith("deflate;")
+    return json.loads(zlib.decompress(base64.b64decode(packed[len("deflate;"):])))
+
+
+def test_the_experiment_has_a_view_with_the_training_charts_first(store):
+    run_id = train_run(store)
+    log_to_mlflow(new_results(), "s", store / "models" / "final")
+    exp = client(store).get_experiment_by_name(tracking.EXPERIMENT)
+    state = view_state(exp.tags["mlflow.sharedViewState.lmforge-training"])
+    assert state["isAccordionReordered"] is True  # else the UI sorts prefixed sections first
+    sections = [s["name"] for s in state["compareRunSections"]]
+    assert sections[:2] == ["Model metrics", "eval"], sections
+    first = state["compareRunSections"][0]["uuid"]
+    charts = [c["metricKey"] for c in state["compareRunCharts"] if c["metricSectionId"] == first]
+    assert charts == ["loss", "val_loss", "lr", "grad_norm", "tokens_per_sec"]
+    # Every eval_domain/ metric the run has falls into a section of the view, after eval.
+    logged = client(store).get_run(run_id).data.metrics
+    domain_sections = {k.rsplit("/", 1)[0] for k in logged if k.startswith("eval_domain/")}
+    assert domain_sections and domain_sections <= set(sections[2:]), domain_sections
+    path = tracking.ui_path(exp.experiment_id)
+    assert path.startswith(f"#/experiments/{exp.experiment_id}/runs?")
+    assert {"workflowType=machine_learning", "compareRunsMode=CHART",
+            "viewStateShareKey=lmforge-training"} <= set(path.split("?")[1].split("&"))
+
+
+def test_a_view_saved_in_the_ui_under_that_name_is_kept(store):
+    c = client(store)
+    exp_id = c.create_experiment(tracking.EXPERIMENT)
+    c.set_experiment_tag(exp_id, "mlflow.sharedViewState.lmforge-training", "mine")
+    train_run(store)
+    assert c.get_experiment(exp_id).tags["mlflow.sharedViewState.lmforge-training"] == "mine"
 
 
 def test_an_existing_experiment_gets_the_kind_unless_one_was_chosen(store):

@@ -3,18 +3,24 @@
 The store is local by default, ``sqlite:///<repo>/mlflow.db`` (the repo root taken from
 ``DVC_ROOT`` when DVC runs us, so queued experiments in temp dirs log to the same store);
 ``MLFLOW_TRACKING_URI`` overrides it. One MLflow run per training run, named after
-``DVC_EXP_NAME`` when DVC sets it, tagged with the git revision. The ``lmforge``
-experiment is marked as model training (not a GenAI app) for MLflow 3's UI.
+``DVC_EXP_NAME`` when DVC sets it, tagged with the git revision.
+
+For MLflow 3's UI the ``lmforge`` experiment is marked as model training (not a GenAI
+app) and carries a saved view, "Training", whose charts start with the training curves;
+:func:`ui_path` links to it.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import logging
 import os
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +36,17 @@ EXPERIMENT_KIND = "custom_model_development"
 EVALUATED_TAG = "lmforge.evaluated"
 TRAIN_RUN_TAG = "lmforge.train_run_id"
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests the run under its parent
+# Per-domain eval metrics are eval_domain/<figure>/<domain>: one chart section per figure.
+EVAL_DOMAIN_PREFIX = "eval_domain"
+EVAL_DOMAIN_FIGURES = ("bits_per_byte", "loss", "bits_per_byte_stderr", "loss_stderr")
+
+# MLflow 3's chart view puts every "prefix/" section before the unprefixed metrics, i.e.
+# eval/ and eval_domain/ before the training curves. A saved view (an experiment tag the
+# UI reads; see mlflow/server/js .../sharedViewState) fixes the order: training first.
+VIEW_ID = "lmforge-training"
+VIEW_TAG = f"mlflow.sharedViewState.{VIEW_ID}"
+TRAINING_CHARTS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_sec")
+_MODEL_METRICS = "Model metrics"  # the UI's name for the unprefixed metrics' section
 # MLflow caps a batch at 1000 metrics; flushing every few hundred keeps calls rare.
 _FLUSH_AT = 500
 _FLUSH_SECONDS = 30.0
@@ -116,6 +133,10 @@ class Run:
         """Attach a table (columns by name) that the UI shows as a table."""
         self.client.log_table(self.run_id, data, artifact_file)
 
+    def experiment_id(self) -> str:
+        """The experiment the run belongs to."""
+        return self.client.get_run(self.run_id).info.experiment_id
+
     def tags(self) -> dict[str, str]:
         """The run's tags as stored now."""
         return dict(self.client.get_run(self.run_id).data.tags)
@@ -152,22 +173,76 @@ def _experiment_id(client: Any, root: str | os.PathLike | None) -> str:
     if exp is not None:
         if exp.lifecycle_stage == "deleted":  # deleted in the UI: its name stays reserved
             client.restore_experiment(exp.experiment_id)
-        if EXPERIMENT_KIND_TAG not in exp.tags:  # a store made before the tag; a kind
-            # chosen in the UI is left alone
-            client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        _mark_experiment(client, exp.experiment_id, exp.tags)
         return exp.experiment_id
     # Artifacts beside the store, by absolute path: a queued experiment runs in a temp
     # copy of the repo, and a relative location would land there and vanish.
     artifacts = Path(root or os.environ.get("DVC_ROOT") or os.getcwd()).resolve() / "mlartifacts"
     try:
-        return client.create_experiment(EXPERIMENT, artifact_location=artifacts.as_uri(),
-                                        tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        exp_id = client.create_experiment(EXPERIMENT, artifact_location=artifacts.as_uri())
+        _mark_experiment(client, exp_id, {})
+        return exp_id
     except Exception:
         # Created concurrently by another queued experiment; anything else is re-raised.
         exp = client.get_experiment_by_name(EXPERIMENT)
         if exp is None:
             raise
         return exp.experiment_id
+
+
+def _mark_experiment(client: Any, experiment_id: str, tags: dict[str, str]) -> None:
+    """Set the experiment kind and the training view where missing (a store made before
+    them); what a user chose or saved in the UI under those names is left alone."""
+    wanted = {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND, VIEW_TAG: training_view_tag()}
+    for key, value in wanted.items():
+        if key in tags:
+            continue
+        try:
+            client.set_experiment_tag(experiment_id, key, value)
+        except Exception as e:  # cosmetic: must not turn tracking off
+            print(f"tracking: could not set experiment tag {key} ({e})", file=sys.stderr)
+
+
+def training_view_state() -> dict[str, Any]:
+    """The runs page's chart layout: training curves, then eval/, then eval_domain/."""
+    sections = [_MODEL_METRICS, "eval", *(f"{EVAL_DOMAIN_PREFIX}/{f}" for f in EVAL_DOMAIN_FIGURES)]
+    charts = [{
+        "uuid": f"{VIEW_ID}-{key}", "type": "LINE", "metricSectionId": f"{VIEW_ID}-0",
+        "metricKey": key, "selectedMetricKeys": [key], "displayName": key,
+        "isGenerated": True, "deleted": False, "runsCountToCompare": 20,
+        "xAxisKey": "step", "xAxisScaleType": "linear", "scaleType": "linear",
+        "lineSmoothness": 0, "range": {}, "yAxisKey": "metric", "yAxisExpressions": [],
+        "ignoreOutliers": False, "useGlobalXaxisKey": True, "useGlobalLineSmoothing": True,
+        "selectedXAxisMetricKey": "",
+    } for key in TRAINING_CHARTS]
+    return {
+        # Reordered: the UI keeps this order and appends sections it finds later.
+        "isAccordionReordered": True,
+        "compareRunSections": [
+            # The stderr sections start folded: they matter next to their figures only.
+            {"uuid": f"{VIEW_ID}-{i}", "name": name, "display": not name.endswith("_stderr"),
+             "isReordered": i == 0, "deleted": False, "isGenerated": True}
+            for i, name in enumerate(sections)],
+        "compareRunCharts": charts,
+    }
+
+
+def training_view_tag(created_ms: int | None = None) -> str:
+    """The saved-view tag value: an envelope (name, times) around the compressed state."""
+    state = json.dumps(training_view_state(), separators=(",", ":"))
+    packed = "deflate;" + base64.b64encode(zlib.compress(state.encode())).decode("ascii")
+    now = created_ms if created_ms is not None else int(time.time() * 1000)
+    return json.dumps({"name": "Training", "createdAt": now, "updatedAt": now, "state": packed})
+
+
+def ui_path(experiment_id: str) -> str:
+    """Where in ``mlflow ui`` the training view opens: runs and their training charts.
+
+    MLflow 3.17 picks GenAI or model-training pages per browser (a switch in the side
+    bar, GenAI by default), not from the experiment; ``workflowType`` in the link sets it.
+    """
+    return (f"#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+            f"&compareRunsMode=CHART&viewStateShareKey={VIEW_ID}")
 
 
 def start_run(params: Params, run_name: str | None = None,

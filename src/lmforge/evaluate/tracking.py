@@ -18,6 +18,8 @@ from typing import Any
 from lmforge.config import Params, load_params
 from lmforge.stage import repo_root
 from lmforge.tracking import (
+    EVAL_DOMAIN_FIGURES,
+    EVAL_DOMAIN_PREFIX,
     EVALUATED_TAG,
     PARENT_TAG,
     TRAIN_RUN_TAG,
@@ -25,13 +27,10 @@ from lmforge.tracking import (
     find_run,
     resume_run,
     start_run,
+    ui_path,
 )
 
 DATA_METRICS = ("ingest", "filter", "dedup", "mix", "tokenizer", "shards")
-# Per-domain figures logged as metrics; the rest stay in the eval.json artifact. The
-# prefix sorts after the training curves and the eval/ headline figures in the UI.
-DOMAIN_KEYS = ("bits_per_byte", "bits_per_byte_stderr", "loss", "loss_stderr")
-DOMAIN_PREFIX = "eval_domain"
 
 
 def log_to_mlflow(results: dict, samples: str, final: Path,
@@ -55,7 +54,8 @@ def log_to_mlflow(results: dict, samples: str, final: Path,
         if run.run_id == run_id:  # last: a failed first evaluation is not "evaluated"
             run.set_tags({EVALUATED_TAG: "1"})
     where = "training run" if run.run_id == run_id else f"evaluation run under {run_id}"
-    print(f"evaluate: logged to MLflow {where} {run.run_id}")
+    print(f"evaluate: logged to MLflow {where} {run.run_id}; "
+          f"in `mlflow ui` open {ui_path(run.experiment_id())}")
 
 
 def open_eval_run(train_run_id: str, params: Params | None = None) -> Run:
@@ -77,7 +77,8 @@ def eval_metrics(results: dict[str, Any]) -> dict[str, float]:
 
     Top-level numbers become ``eval/<key>``; a split's numbers ``eval/<split>_<key>``,
     its summaries ``eval/<split>_<key>_<summary>`` (``eval/val_loss_mix_weighted``);
-    its domains ``eval_domain/<domain>/<key>`` for the keys in DOMAIN_KEYS.
+    its domains ``eval_domain/<figure>/<domain>`` for the figures in EVAL_DOMAIN_FIGURES
+    (the rest of eval.json is in the ``eval/eval.json`` artifact).
     """
     metrics: dict[str, float] = {}
     for key, value in results.items():
@@ -99,9 +100,10 @@ def eval_metrics(results: dict[str, Any]) -> dict[str, float]:
 
 
 def _domain_metrics(domains: dict[str, Any]) -> dict[str, float]:
-    return {f"{DOMAIN_PREFIX}/{name}/{k}": float(d[k])
+    # By figure, then domain: the UI makes a chart section per figure, one chart per domain.
+    return {f"{EVAL_DOMAIN_PREFIX}/{k}/{name}": float(d[k])
             for name, d in sorted(domains.items()) if isinstance(d, dict)
-            for k in DOMAIN_KEYS if _number(d.get(k))}
+            for k in EVAL_DOMAIN_FIGURES if _number(d.get(k))}
 
 
 def _number(value: Any) -> bool:
