@@ -193,6 +193,15 @@ def test_resume_run_as_a_block_never_leaves_the_run_running(store):
     assert client(store).get_run(run_id).info.status == "FINISHED"
 
 
+def test_end_run_marks_a_finished_run_failed_and_never_raises(store, capsys):
+    run_id = train_run(store)
+    tracking.end_run(run_id, "FAILED", store)
+    assert client(store).get_run(run_id).info.status == "FAILED"
+    tracking.end_run("0" * 32, "FAILED", store)  # unknown run: a warning, no exception
+    assert "0" * 32 in capsys.readouterr().err
+    tracking.end_run(None)  # tracking was off: nothing to do
+
+
 def test_resume_run_of_an_unknown_run_raises(store):
     train_run(store)
     with pytest.raises(Exception, match="0{32}"):

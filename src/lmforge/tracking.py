@@ -284,6 +284,21 @@ def resume_run(run_id: str, root: str | os.PathLike | None = None) -> Run:
     return Run(client, run_id)
 
 
+def end_run(run_id: str | None, status: str = "FAILED",
+            root: str | os.PathLike | None = None) -> None:
+    """Set a closed run's final status after the fact; never raises.
+
+    For work after the training loop closed its run (writing models/final): if that
+    fails, the run must not stay FINISHED while the stage failed.
+    """
+    if not run_id:
+        return
+    try:
+        _client(root).set_terminated(run_id, status=status)
+    except Exception as e:  # the stage's own error is the one that matters
+        print(f"tracking: could not mark MLflow run {run_id} {status} ({e})", file=sys.stderr)
+
+
 def find_run(run_id: str, root: str | os.PathLike | None = None) -> Run | None:
     """The active run ``run_id`` (status unchanged), or None when the store lacks it."""
     from mlflow.exceptions import MlflowException
