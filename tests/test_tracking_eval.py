@@ -235,6 +235,7 @@ def test_eval_metrics_from_the_new_eval_json():
     assert m["eval_domain/bits_per_byte/zh_modern"] == 3.0
     assert m["eval_domain/bits_per_byte_stderr/math"] == 0.05
     assert not [k for k in m if "weighting" in k or "mix_weight_" in k]
+    assert not [k for k in m if k.endswith(("seconds", "tokens", "tokens_token_weighted"))]
     assert all(k.startswith(("eval/", "eval_domain/")) for k in m)
 
 

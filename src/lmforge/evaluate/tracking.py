@@ -31,6 +31,9 @@ from lmforge.tracking import (
 )
 
 DATA_METRICS = ("ingest", "filter", "dedup", "mix", "tokenizer", "shards")
+# Bookkeeping, not results: a chart each would only push the figures down. They stay in
+# the eval/eval.json artifact.
+NOT_METRICS = frozenset({"seconds", "tokens", "docs"})
 
 
 def log_to_mlflow(results: dict, samples: str, final: Path,
@@ -75,27 +78,29 @@ def open_eval_run(train_run_id: str, params: Params | None = None) -> Run:
 def eval_metrics(results: dict[str, Any]) -> dict[str, float]:
     """metrics/eval.json as flat MLflow metrics, whichever of its shapes it has.
 
-    Top-level numbers become ``eval/<key>``; a split's numbers ``eval/<split>_<key>``,
-    its summaries ``eval/<split>_<key>_<summary>`` (``eval/val_loss_mix_weighted``);
-    its domains ``eval_domain/<figure>/<domain>`` for the figures in EVAL_DOMAIN_FIGURES
-    (the rest of eval.json is in the ``eval/eval.json`` artifact).
+    Top-level numbers become ``eval/<key>``; a split's numbers ``eval/<split>_<key>``, its
+    summaries ``eval/<split>_<key>_<summary>`` (``eval/val_loss_mix_weighted``), its
+    domains ``eval_domain/<figure>/<domain>`` for the figures in EVAL_DOMAIN_FIGURES.
+    Counts and timings (NOT_METRICS) and the rest stay in the eval.json artifact.
     """
     metrics: dict[str, float] = {}
     for key, value in results.items():
-        if _number(value):
+        if _number(value) and key not in NOT_METRICS:
             metrics[f"eval/{key}"] = float(value)
     for split in ("val", "train"):
         section = results.get(split)
         if not isinstance(section, dict):
             continue
         for key, value in section.items():
+            if key in NOT_METRICS:
+                continue
             if _number(value):
                 metrics[f"eval/{split}_{key}"] = float(value)
             elif key == "domains" and isinstance(value, dict):
                 metrics.update(_domain_metrics(value))
             elif isinstance(value, dict):  # a summary: mix_weighted, token_weighted
-                metrics.update({f"eval/{split}_{k}_{key}": float(v)
-                                for k, v in value.items() if _number(v)})
+                metrics.update({f"eval/{split}_{k}_{key}": float(v) for k, v in value.items()
+                                if _number(v) and k not in NOT_METRICS})
     return metrics
 
 
