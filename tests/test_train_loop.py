@@ -660,3 +660,24 @@ def test_init_from_the_stage_output_is_refused(tmp_path):
     paths = TrainPaths().under(tmp_path)
     with pytest.raises(InputError, match=r"is inside .*final, an output of this stage"):
         run_train_stage(tiny_params(init_from=str(paths.final)), paths)
+
+
+def test_a_run_whose_outputs_cannot_be_written_ends_failed_in_mlflow(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from lmforge.train import pipeline
+
+    paths = make_inputs(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+
+    def full_disk(*_a, **_k):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(pipeline, "write_outputs", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        pipeline.run_train_stage(tiny_params(max_steps=2, eval_every=0, num_threads=1), paths)
+    client = MlflowClient(tracking_uri=uri)
+    (exp,) = [e for e in client.search_experiments() if e.name == "lmforge"]
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.status == "FAILED"

@@ -68,7 +68,14 @@ def run_train_stage(params: Params, paths: TrainPaths, module: str = "stages.tra
                                               special),
                        decode=_decoder(paths.tokenizer))
         if env.is_main:
-            write_outputs(result, paths, special, tokenizer_sha)
+            try:
+                write_outputs(result, paths, special, tokenizer_sha)
+            except BaseException:
+                # The loop closed the MLflow run FINISHED; without its outputs it is not.
+                from lmforge.tracking import end_run
+
+                end_run(result.run_id, "FAILED")
+                raise
     finally:
         distributed.teardown()
 
