@@ -171,3 +171,22 @@ def test_rules_narrow_a_kind_and_a_domain_list_is_exact():
                                                           skip=["c4_curly_bracket"])})
     assert [r.name for r in domain_rules(exact, "g").rules] == [
         "c4_lorem_ipsum", "c4_javascript_lines", "c4_policy_lines", "c4_min_sentences"]
+
+
+WIKI = """'''Autism''' is a [[neurodevelopmental disorder]] characterized by impaired
+[[social interaction]], verbal and non-verbal communication, and restricted and repetitive
+behavior.<ref name="DSM5">{{cite book | title = Diagnostic and Statistical Manual |
+edition = 5th | year = 2013 | isbn = 978-0-89042-555-8 | pages = 50-59}}</ref> Parents
+usually notice signs in the first two years of their child's life.<ref name=Land2008>{{cite
+journal | author = Landa RJ | year = 2008 | volume = 4 | issue = 3 | pages = 138-47 |
+doi = 10.1038/ncpneuro0731 | pmid = 18253102}}</ref> These signs often develop gradually,
+though some children with autism reach their developmental milestones at a normal pace
+and then worsen.<ref>{{cite journal | vauthors = Stefanatos GA | year = 2008 | volume = 18
+| issue = 4 | pages = 305-19 | pmid = 18956241}}</ref>
+"""
+
+
+def test_reference_keeps_wikitext_whose_citation_templates_are_not_words():
+    """Citation templates put '|', '=' and numbers among the words (bench/RESULTS.md)."""
+    assert first_failure("prose", WIKI) == "gopher_alpha_words"
+    assert first_failure("reference", WIKI) is None

@@ -60,8 +60,11 @@ KIND_SETTINGS: dict[str, dict[str, Any]] = {
     "prose": dict(_LOOSE_NGRAMS),
     # A quatrain is 20-30 characters; a refrain or 之/不 may take a fifth of a poem.
     "verse": {"min_chars": 20, "gopher_min_words": 10, "max_char_repeat_ratio": 0.5},
-    # Short entries (a man page's NAME section, a glossary term).
-    "reference": {"gopher_min_words": 30, **_LOOSE_NGRAMS},
+    # Short entries (a man page's NAME section, a glossary term); markup (wiki citation
+    # templates, reST roles, tables) puts '|', '=' and numbers among the words, so fewer
+    # of them hold letters (measured: wikitext sections at 0.73-0.80, bench/RESULTS.md).
+    "reference": {"gopher_min_words": 30, "gopher_min_alpha_words_ratio": 0.6,
+                  **_LOOSE_NGRAMS},
     # A problem statement may be one sentence.
     "math": {"gopher_min_words": 20},
     "code": {},
