@@ -210,6 +210,7 @@ def test_resume_run_of_an_unknown_run_raises(store):
 
 def test_data_stage_counts_are_one_table_not_metrics(store):
     run_id = train_run(store)
+    (store / "metrics" / "filter_report.md").write_text("# Filter report\n\nmath: x 1\n")
     log_to_mlflow(OLD_RESULTS, "s", store / "models" / "final")
     c = client(store)
     metrics = c.get_run(run_id).data.metrics
@@ -220,7 +221,7 @@ def test_data_stage_counts_are_one_table_not_metrics(store):
     assert {"stage": "dedup", "domain": "math", "in": 10, "kept": 9} in rows
     assert len(rows) == 4
     artifacts = {a.path for a in c.list_artifacts(run_id, "data")}
-    assert {"data/ingest.json", "data/dedup.json"} <= artifacts
+    assert {"data/ingest.json", "data/dedup.json", "data/filter_report.md"} <= artifacts
 
 
 def test_eval_metrics_from_the_new_eval_json():

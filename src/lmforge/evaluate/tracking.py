@@ -146,3 +146,6 @@ def log_data_counts(run: Run, metrics_dir: Path) -> None:
     table = data_counts(metrics_dir)
     if table["stage"]:
         run.log_table(table, "data/kept.json")
+    report = metrics_dir / "filter_report.md"  # why each document was rejected
+    if report.is_file():
+        run.log_text(report.read_text(encoding="utf-8"), "data/filter_report.md")
