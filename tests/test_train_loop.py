@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import math
 import os
 import shutil
 import signal
@@ -130,6 +131,41 @@ def test_accumulated_micro_batches_give_the_full_batch_gradient():
     for a, b in zip(g1, g4, strict=True):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
     assert any(a.abs().sum() > 0 for a in g1)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_micro_batches_weigh_by_their_target_tokens_and_an_all_masked_one_by_zero(fused):
+    """Prompt-masked fine-tuning: the step's loss is the mean over all its target tokens,
+    however they fall into micro-batches; a micro-batch without targets adds nothing."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16)
+    base = Llama(cfg, 64)
+    base.fused_loss = fused
+    x, y = torch.randint(0, 64, (2, 4, 16))
+    y[0, :10] = -100  # few targets in the first micro-batch
+    y[1] = -100  # none in the second
+    y[2, 3:] = -100
+
+    def step(batches):
+        model = copy.deepcopy(base)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        prec = resolve_precision("fp32", CPU.device)
+        loss, norm = _optimizer_step(model, None, model, opt, prec.grad_scaler(), prec,
+                                     ListLoader(batches), len(batches), 0.0, CPU)
+        return [b - p.detach() for b, p in zip(before, model.parameters(), strict=True)], loss
+
+    whole, loss_whole = step([(x, y)])  # one batch: the mean over its target tokens
+    split, loss_split = step([(x[i:i + 1], y[i:i + 1]) for i in range(4)])
+    assert math.isfinite(loss_split) and loss_split == pytest.approx(loss_whole, rel=1e-5)
+    for a, b in zip(whole, split, strict=True):
+        assert torch.isfinite(b).all()
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    # Without the empty micro-batch: the same step.
+    kept, loss_kept = step([(x[i:i + 1], y[i:i + 1]) for i in (0, 2, 3)])
+    assert loss_kept == pytest.approx(loss_whole, rel=1e-5)
+    for a, b in zip(kept, split, strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
 
 
 def test_grad_norm_is_logged_before_clipping():

@@ -372,14 +372,22 @@ def _optimizer_step(step_model: torch.nn.Module, ddp: DistributedDataParallel | 
                     accum: int, clip: float, env: DistEnv) -> tuple[float, float]:
     """One optimizer step over ``accum`` micro-batches -> (mean loss, grad norm pre-clip).
 
+    The loss is the mean over every target token of the step (all micro-batches, all
+    ranks): each micro-batch weighs by its share of those tokens, so one with few targets
+    (a short prompt-masked fine-tuning example) counts little and one with none counts
+    zero, never NaN. With equal counts, as in pretraining, that is the plain mean of the
+    micro-batch losses, computed as ``loss / accum`` exactly as before.
+
     A non-finite loss or grad norm skips the update. That test needs one host sync per
     optimizer step; loss and grad norm travel in it, so logging costs nothing more.
     """
+    # (inputs, targets) or, with document masking, (inputs, targets, positions).
+    batches = [[torch.as_tensor(t) for t in loader.next_batch()] for _ in range(accum)]
+    counts = [int((b[1] != IGNORE_INDEX).sum()) for b in batches]
+    total = _step_target_count(sum(counts), env)
     loss_sum = torch.zeros((), device=env.device)
-    for micro in range(accum):
-        # (inputs, targets) or, with document masking, (inputs, targets, positions).
-        batch = [torch.as_tensor(t).to(env.device, non_blocking=True)
-                 for t in loader.next_batch()]
+    for micro, (host, count) in enumerate(zip(batches, counts, strict=True)):
+        batch = [t.to(env.device, non_blocking=True) for t in host]
         extra = {"positions": batch[2]} if len(batch) > 2 else {}
         # Gradients are all-reduced only on the last micro-batch.
         sync = (ddp.no_sync() if ddp is not None and micro < accum - 1
@@ -387,11 +395,16 @@ def _optimizer_step(step_model: torch.nn.Module, ddp: DistributedDataParallel | 
         with sync:
             with precision.autocast():
                 _, loss = step_model(batch[0], batch[1], **extra)
-            scaler.scale(loss / accum).backward()
-        loss_sum += loss.detach().float()
+            if count:
+                # DDP averages over ranks, hence the world size in the share.
+                weighted = loss / (total / (count * env.world_size))
+                loss_sum += weighted.detach().float()
+            else:  # its loss is NaN (no targets), its gradient zero: weigh it zero
+                weighted = loss * 0.0
+            scaler.scale(weighted).backward()
     scaler.unscale_(optimizer)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
-    stats = torch.stack([loss_sum / accum, norm.float()])
+    stats = torch.stack([loss_sum, norm.float()])
     if env.distributed:
         dist.all_reduce(stats, op=dist.ReduceOp.AVG if env.device.type == "cuda"
                         else dist.ReduceOp.SUM)
@@ -403,6 +416,15 @@ def _optimizer_step(step_model: torch.nn.Module, ddp: DistributedDataParallel | 
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return loss_val, norm_val
+
+
+def _step_target_count(local: int, env: DistEnv) -> int:
+    """Target tokens of this optimizer step over all ranks (at least 1)."""
+    if env.distributed:
+        t = torch.tensor([local], dtype=torch.int64, device=env.device)
+        dist.all_reduce(t)
+        local = int(t.item())
+    return max(local, 1)
 
 
 @torch.no_grad()
