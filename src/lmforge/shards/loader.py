@@ -20,6 +20,7 @@ import torch
 from lmforge.errors import ConfigError, InputError
 from lmforge.shards.format import (
     check_shard,
+    file_sha256,
     open_tokens,
     read_header,
     read_index,
@@ -45,7 +46,10 @@ class ShardSet:
         self.dtype: np.dtype = np.dtype(m["dtype"])
         self.tokenizer_sha256: str = m["tokenizer_sha256"]
         self.domain_names: list[str] = [m["domains"][str(i)] for i in range(len(m["domains"]))]
+        # Fine-tuning shards: which tokens are training targets (see ShardWriter).
+        self.has_loss_mask: bool = bool(m.get("loss_mask"))
         self._tokens: list[np.ndarray] = []
+        self._masks: list[np.ndarray] = []
         ends, nbytes, domains = [], [], []
         offset = 0
         for entry in m["shards"]:
@@ -59,6 +63,9 @@ class ShardSet:
             if verify_checksums:
                 _verify_shard(bin_path, idx_path, entry, tokens, self.vocab_size)
             self._tokens.append(tokens)
+            if self.has_loss_mask:
+                self._masks.append(_open_mask(self.path, entry, header.num_tokens,
+                                              verify_checksums))
             ends.append(index.ends.astype(np.int64) + offset)
             nbytes.append(index.nbytes)
             domains.append(index.domains)
@@ -75,6 +82,20 @@ class ShardSet:
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` of the concatenated stream as int64."""
+        return self._read(self._tokens, start, stop)
+
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """``(len(starts), length)`` int64 tokens: one row per window start."""
+        return self._windows(self._tokens, starts, length)
+
+    def mask_windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """``(len(starts), length)`` bool: which tokens are training targets (all of them
+        in a set without loss masks)."""
+        if not self.has_loss_mask:
+            return np.ones((len(starts), length), dtype=bool)
+        return self._windows(self._masks, starts, length).astype(bool)
+
+    def _read(self, arrays: list[np.ndarray], start: int, stop: int) -> np.ndarray:
         if not 0 <= start <= stop <= self.num_tokens:
             raise IndexError(f"token range [{start}, {stop}) outside [0, {self.num_tokens})")
         first = int(np.searchsorted(self._offsets, start, "right")) - 1
@@ -83,13 +104,13 @@ class ShardSet:
         while start < stop:
             lo = start - int(self._offsets[s])
             hi = min(stop, int(self._offsets[s + 1])) - int(self._offsets[s])
-            parts.append(np.asarray(self._tokens[s][lo:hi], dtype=np.int64))
+            parts.append(np.asarray(arrays[s][lo:hi], dtype=np.int64))
             start += hi - lo
             s += 1
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
-    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
-        """``(len(starts), length)`` int64 tokens: one row per window start."""
+    def _windows(self, arrays: list[np.ndarray], starts: np.ndarray,
+                 length: int) -> np.ndarray:
         starts = np.asarray(starts, dtype=np.int64)
         out = np.empty((len(starts), length), dtype=np.int64)
         first = np.searchsorted(self._offsets, starts, "right") - 1
@@ -99,10 +120,10 @@ class ShardSet:
         for s in np.unique(first[inside]):
             rows = np.flatnonzero(inside & (first == s))
             local = starts[rows] - self._offsets[s]
-            out[rows] = self._tokens[s][local[:, None] + ar]
+            out[rows] = arrays[s][local[:, None] + ar]
         # Windows that straddle a shard boundary are rare: one per boundary at most.
         for row in np.flatnonzero(~inside):
-            out[row] = self.read(int(starts[row]), int(starts[row]) + length)
+            out[row] = self._read(arrays, int(starts[row]), int(starts[row]) + length)
         return out
 
     def doc_of(self, positions: np.ndarray) -> np.ndarray:
@@ -203,8 +224,9 @@ class WindowLoader:
         tokens = self.shards.windows(starts, self.seq_len + 1)
         self._cursor += self.batch_size * self.world_size
         self.last_starts = starts
+        targets = masked_targets(self.shards, tokens[:, 1:], starts + 1)
         batch = (torch.from_numpy(np.ascontiguousarray(tokens[:, :-1])),
-                 torch.from_numpy(np.ascontiguousarray(tokens[:, 1:])))
+                 torch.from_numpy(np.ascontiguousarray(targets)))
         if not self.return_doc_info:
             return batch
         ar = np.arange(self.seq_len, dtype=np.int64)
@@ -234,6 +256,33 @@ class WindowLoader:
             rng = np.random.default_rng(self.seed + epoch)
             self._perms[epoch] = rng.permutation(self.num_windows)
         return self._perms[epoch]
+
+
+def masked_targets(shards: ShardSet, targets: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """``targets`` with ``IGNORE_INDEX`` where the set's loss mask says "context only"
+    (``starts``: stream offset of each row's first target)."""
+    if not shards.has_loss_mask:
+        return targets
+    keep = shards.mask_windows(starts, targets.shape[1])
+    return np.where(keep, targets, IGNORE_INDEX)
+
+
+def _open_mask(directory: Path, entry: dict[str, Any], num_tokens: int,
+               verify: bool) -> np.ndarray:
+    """Memory-map a shard's loss mask after checking its size (and sha256 if asked)."""
+    if "mask" not in entry:
+        raise InputError(f"{directory}: the manifest says loss_mask but {entry['file']} "
+                         "names no mask file")
+    path = directory / entry["mask"]
+    size = path.stat().st_size if path.is_file() else -1
+    if size != num_tokens:
+        raise InputError(f"{path}: loss mask of {size} bytes for a shard of {num_tokens} "
+                         "tokens; the shard set is incomplete or corrupt")
+    if verify and file_sha256(path) != entry.get("mask_sha256"):
+        raise InputError(f"{path}: sha256 does not match the manifest; the mask is corrupt")
+    if num_tokens == 0:
+        return np.zeros(0, np.uint8)
+    return np.memmap(path, dtype=np.uint8, mode="r", shape=(num_tokens,))
 
 
 def _doc_aligned_starts(shards: ShardSet, seq_len: int) -> np.ndarray:
@@ -276,7 +325,8 @@ def eval_batches(shards: ShardSet, seq_len: int, batch_size: int, max_batches: i
     for lo in range(0, rows, batch_size):
         batch_starts = starts[lo:lo + batch_size]
         tokens = shards.windows(batch_starts, seq_len + 1)
-        inp, tgt = tokens[:, :-1], tokens[:, 1:]
+        inp = tokens[:, :-1]
+        tgt = masked_targets(shards, tokens[:, 1:], batch_starts + 1)
         doc = shards.doc_of(batch_starts[:, None] + 1 + ar)
         dom = shards.doc_domains[doc]
         if lo + batch_size >= rows and tail > 0:
@@ -306,7 +356,7 @@ def _tail_window(shards: ShardSet, start: int, tail: int, seq_len: int
     dom = np.full((1, seq_len), -1, np.int64)
     doc = np.full((1, seq_len), -1, np.int64)
     inp[0, :tail] = tokens[:-1]
-    tgt[0, :tail] = tokens[1:]
+    tgt[0, :tail] = masked_targets(shards, tokens[None, 1:], np.array([start + 1]))[0]
     doc[0, :tail] = shards.doc_of(start + 1 + np.arange(tail, dtype=np.int64))
     dom[0, :tail] = shards.doc_domains[doc[0, :tail]]
     return inp, tgt, dom, doc

@@ -1,5 +1,9 @@
 """Write token shards: documents in, ``shard-NNNNN.{bin,idx}`` + ``manifest.json`` out.
 
+With ``loss_mask=True`` every shard also gets ``shard-NNNNN.mask``: one byte per token,
+1 where the token is a training target (an assistant's answer in fine-tuning data), 0
+where it is context only (a prompt); the loader turns 0 into an ignored target.
+
 The writer streams: tokens go straight to the open ``.bin``; only the per-document index
 of the current shard is held in memory. A document is never split across shards: a shard
 holds at most ``shard_tokens`` tokens, except one holding a single longer document. Write into a temporary directory
@@ -31,8 +35,10 @@ class ShardWriter:
     """Append documents (as one flat token array + per-document lengths) to shards."""
 
     def __init__(self, out_dir: str | Path, vocab_size: int, tokenizer_sha256: str,
-                 domain_names: list[str], shard_tokens: int) -> None:
+                 domain_names: list[str], shard_tokens: int, loss_mask: bool = False) -> None:
         self.out_dir = Path(out_dir)
+        self.loss_mask = loss_mask
+        self._mask_file: BinaryIO | None = None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.vocab_size = vocab_size
         self.dtype = token_dtype(vocab_size)
@@ -50,8 +56,15 @@ class ShardWriter:
         self._domains: list[np.ndarray] = []
 
     def add(self, tokens: np.ndarray, doc_lengths: np.ndarray, doc_bytes: np.ndarray,
-            doc_domains: np.ndarray) -> None:
-        """Append documents: ``tokens`` is their ids back to back, split by ``doc_lengths``."""
+            doc_domains: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """Append documents: ``tokens`` is their ids back to back, split by ``doc_lengths``;
+        ``mask`` (with ``loss_mask``) is 1 per token that is a training target, else 0."""
+        if self.loss_mask != (mask is not None):
+            raise ValueError("give a mask exactly when the writer was made with loss_mask")
+        if mask is not None:
+            mask = np.asarray(mask, dtype=np.uint8)
+            if len(mask) != len(tokens) or (len(mask) and int(mask.max()) > 1):
+                raise ValueError("mask must hold one 0/1 value per token")
         doc_lengths = np.asarray(doc_lengths, dtype=np.int64)
         doc_bytes = np.asarray(doc_bytes, dtype=np.uint64)
         doc_domains = np.asarray(doc_domains, dtype=np.uint16)
@@ -77,7 +90,8 @@ class ShardWriter:
                 self._finish()
                 continue
             self._write(tokens[base:int(ends[stop - 1])], doc_lengths[start:stop],
-                        doc_bytes[start:stop], doc_domains[start:stop])
+                        doc_bytes[start:stop], doc_domains[start:stop],
+                        None if mask is None else mask[base:int(ends[stop - 1])])
             start = stop
             if self._ntok >= self.shard_tokens:
                 self._finish()
@@ -96,6 +110,7 @@ class ShardWriter:
             "num_tokens": sum(s["tokens"] for s in self.shards),
             "num_docs": sum(s["docs"] for s in self.shards),
             "totals": self.totals,
+            **({"loss_mask": True} if self.loss_mask else {}),
             **(extra or {}),
         }
         write_json(self.out_dir / MANIFEST, manifest)
@@ -107,12 +122,16 @@ class ShardWriter:
         path = self.out_dir / f"shard-{len(self.shards):05d}.bin"
         self._file = open(path, "wb")  # noqa: SIM115 -- held open across add() calls
         self._file.write(b"\0" * HEADER_SIZE)  # the real header is written on _finish
+        if self.loss_mask:
+            self._mask_file = open(path.with_suffix(".mask"), "wb")  # noqa: SIM115
         self._ntok = 0
 
     def _write(self, tokens: np.ndarray, lens: np.ndarray, nbytes: np.ndarray,
-               domains: np.ndarray) -> None:
+               domains: np.ndarray, mask: np.ndarray | None) -> None:
         assert self._file is not None
         self._file.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
+        if self._mask_file is not None and mask is not None:
+            self._mask_file.write(np.ascontiguousarray(mask, dtype=np.uint8).tobytes())
         self._ntok += len(tokens)
         self._lens.append(lens)
         self._nbytes.append(nbytes)
@@ -143,7 +162,7 @@ class ShardWriter:
         bin_path = self.out_dir / f"shard-{len(self.shards):05d}.bin"
         idx_path = bin_path.with_suffix(".idx")
         idx_path.write_bytes(index.pack(self._ntok))
-        self.shards.append({
+        entry = {
             "file": bin_path.name,
             "index": idx_path.name,
             "tokens": self._ntok,
@@ -151,7 +170,15 @@ class ShardWriter:
             "bytes": bin_path.stat().st_size,
             "sha256": file_sha256(bin_path),
             "idx_sha256": file_sha256(idx_path),
-        })
+        }
+        if self._mask_file is not None:
+            self._mask_file.flush()
+            os.fsync(self._mask_file.fileno())
+            self._mask_file.close()
+            self._mask_file = None
+            mask_path = bin_path.with_suffix(".mask")
+            entry.update(mask=mask_path.name, mask_sha256=file_sha256(mask_path))
+        self.shards.append(entry)
         self._lens, self._nbytes, self._domains = [], [], []
         self._ntok = 0
 
@@ -159,17 +186,23 @@ class ShardWriter:
 def write_shards(out_dir: str | Path, docs: list, vocab_size: int,
                  domains: list[int] | None = None, domain_names: list[str] | None = None,
                  doc_bytes: list[int] | None = None, tokenizer_sha256: str = "0" * 64,
-                 shard_tokens: int = 1 << 30) -> dict[str, Any]:
+                 shard_tokens: int = 1 << 30, masks: list | None = None) -> dict[str, Any]:
     """Write already-tokenized documents (lists of ids) as a shard set; return the manifest.
 
     A convenience for tests and tools: domains default to 0 (``"domain0"``), byte lengths
-    to the token counts.
+    to the token counts; ``masks`` (one 0/1 list per document) writes loss masks.
     """
     lens = np.array([len(d) for d in docs], dtype=np.int64)
     flat = (np.concatenate([np.asarray(d, dtype=np.int64) for d in docs])
             if docs else np.zeros(0, np.int64))
     domains = domains if domains is not None else [0] * len(docs)
     names = domain_names or [f"domain{i}" for i in range(max(domains, default=0) + 1)]
-    writer = ShardWriter(out_dir, vocab_size, tokenizer_sha256, names, shard_tokens)
-    writer.add(flat, lens, doc_bytes if doc_bytes is not None else lens, np.asarray(domains))
+    writer = ShardWriter(out_dir, vocab_size, tokenizer_sha256, names, shard_tokens,
+                         loss_mask=masks is not None)
+    flat_mask = None
+    if masks is not None:
+        flat_mask = (np.concatenate([np.asarray(m, dtype=np.uint8) for m in masks])
+                     if masks else np.zeros(0, np.uint8))
+    writer.add(flat, lens, doc_bytes if doc_bytes is not None else lens, np.asarray(domains),
+               flat_mask)
     return writer.close()
