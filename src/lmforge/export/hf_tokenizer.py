@@ -5,6 +5,12 @@
 our lossless settings that is no normaliser rewrite, no dummy prefix, whitespace runs
 kept, byte fallback. BPE models encode to exactly sentencepiece's ids; unigram models
 decode identically but may break Viterbi ties differently on a few tokens.
+
+Reserved tokens (control pieces beyond BOS/EOS/PAD, such as the chat markers that
+``tokenizer.train.train_model(reserved_tokens=...)`` adds) become additional special
+tokens at their own ids, so a chat template's text encodes to the marker ids. Unlike
+sentencepiece, Hugging Face then also matches them inside text (its usual behaviour for
+special tokens, as with any chat model's markers).
 """
 
 from __future__ import annotations
@@ -74,6 +80,9 @@ def write_hf_tokenizer(sp_path: Path, out_dir: Path, special: dict[str, int],
     tok = cls(tokenizer_object=backend, **tokens, add_bos_token=False, add_eos_token=False,
               legacy=False, add_prefix_space=dummy_prefix, model_max_length=max_length,
               clean_up_tokenization_spaces=False)
+    reserved = reserved_tokens(proto, special)
+    if reserved:  # pieces already in the vocabulary: they keep their ids
+        tok.add_special_tokens({"additional_special_tokens": reserved})
     tok.save_pretrained(str(out_dir))
     shutil.copyfile(sp_path, out_dir / TOKENIZER_MODEL)
     # Pin what the reading side must not guess: the class (transformers 4 knows neither
@@ -85,7 +94,8 @@ def write_hf_tokenizer(sp_path: Path, out_dir: Path, special: dict[str, int],
                   add_bos_token=False, add_eos_token=False, legacy=False,
                   add_prefix_space=dummy_prefix)
     write_json(config_path, config)
-    write_json(out_dir / "special_tokens_map.json", tokens)
+    write_json(out_dir / "special_tokens_map.json",
+               {**tokens, "additional_special_tokens": reserved} if reserved else tokens)
 
 
 def special_tokens(pieces: list[str], special: dict[str, int]) -> dict[str, str]:
@@ -96,3 +106,11 @@ def special_tokens(pieces: list[str], special: dict[str, int]) -> dict[str, str]
         if 0 <= token_id < len(pieces):
             out[f"{name}_token"] = pieces[token_id]
     return out
+
+
+def reserved_tokens(proto: model_pb2.ModelProto, special: dict[str, int]) -> list[str]:
+    """Control pieces other than the special ids (BOS/EOS/PAD), in id order."""
+    spec = proto.trainer_spec
+    taken = {*special.values(), spec.bos_id, spec.eos_id, spec.pad_id, spec.unk_id}
+    return [p.piece for i, p in enumerate(proto.pieces)
+            if p.type == model_pb2.ModelProto.SentencePiece.CONTROL and i not in taken]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as model_pb2
@@ -57,8 +57,17 @@ def _cut_line(line: str, max_bytes: int) -> Iterator[str]:
         start = end
 
 
-def trainer_options(cfg: TokenizerConfig) -> dict:
-    """sentencepiece trainer keyword arguments for a tokenizer config."""
+def trainer_options(cfg: TokenizerConfig, reserved_tokens: Sequence[str] = ()) -> dict:
+    """sentencepiece trainer keyword arguments for a tokenizer config.
+
+    ``reserved_tokens`` (e.g. ``lmforge.finetune.template.CHAT_MARKERS``) become
+    sentencepiece *control* symbols with fixed ids right after the four special ids
+    (4, 5, ... in the order given): single pieces that encoding text never produces --
+    the text "<|end|>" encodes to ordinary pieces -- and that decoding renders as "",
+    like <s> and </s>. Only code that inserts them by id (the chat template) emits them,
+    so web text that happens to contain a marker cannot inject one into the shards.
+    None by default: the model is byte-identical to one trained without the argument.
+    """
     opts = dict(
         model_type=cfg.model_type,
         vocab_size=cfg.vocab_size,
@@ -73,6 +82,8 @@ def trainer_options(cfg: TokenizerConfig) -> dict:
         shuffle_input_sentence=False,
         minloglevel=2,
     )
+    if reserved_tokens:
+        opts["control_symbols"] = _checked_reserved(reserved_tokens)
     if cfg.normalization == "identity":
         # Lossless: no rewriting, whitespace runs kept (code indentation), no added space.
         opts.update(normalization_rule_name="identity", remove_extra_whitespaces=False,
@@ -83,15 +94,33 @@ def trainer_options(cfg: TokenizerConfig) -> dict:
     return opts
 
 
-def train_model(texts: Iterable[str], cfg: TokenizerConfig) -> tuple[bytes, float]:
-    """Train on ``texts``; return the serialized model and the training seconds."""
+def _checked_reserved(tokens: Sequence[str]) -> list[str]:
+    """The reserved tokens as a list, or a one-line error for one sentencepiece would refuse
+    or silently merge (empty, whitespace inside, repeated, or one of the special pieces)."""
+    out: list[str] = []
+    for token in tokens:
+        if not isinstance(token, str) or not token or any(c.isspace() for c in token):
+            raise ConfigError(f"tokenizer: reserved token {token!r} must be a non-empty "
+                              "string without whitespace")
+        if token in out or token in ("<unk>", "<s>", "</s>", "<pad>"):
+            raise ConfigError(f"tokenizer: reserved token {token!r} is repeated or special")
+        out.append(token)
+    return out
+
+
+def train_model(texts: Iterable[str], cfg: TokenizerConfig,
+                reserved_tokens: Sequence[str] = ()) -> tuple[bytes, float]:
+    """Train on ``texts``; return the serialized model and the training seconds.
+
+    ``reserved_tokens``: see ``trainer_options`` (none by default).
+    """
     spm.set_random_generator_seed(cfg.seed)
     buf = io.BytesIO()
     start = time.perf_counter()
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=sentence_pieces(texts, cfg.max_sentence_length),
-            model_writer=buf, **trainer_options(cfg))
+            model_writer=buf, **trainer_options(cfg, reserved_tokens))
     except RuntimeError as e:
         # e.g. "Vocabulary size too high" for unigram on a small sample.
         raise ConfigError(f"tokenizer: sentencepiece training failed: "

@@ -1,0 +1,171 @@
+"""The chat template: turns -> token ids and a loss mask, and the same as a Hugging Face
+``chat_template``.
+
+Markers. ``<|system|>``, ``<|user|>``, ``<|assistant|>`` open a turn and ``<|end|>``
+closes it (the names Phi-3 and Zephyr use, so the text reads familiarly). The tokenizer
+reserves them as sentencepiece *control* symbols (``tokenizer.train.train_model(...,
+reserved_tokens=CHAT_MARKERS)``, ids 4-7): one piece each at a fixed id, inserted here by
+id, and never produced by encoding text. So a marker typed inside a message -- "<|user|>"
+in a user's question, or in pretraining text about chat models -- stays ordinary text
+pieces and cannot open or close a turn; such records are kept, not escaped or rejected.
+(A user-defined symbol would be matched inside text, and sentencepiece has no way to
+switch that off per call.) Hugging Face tokenizers do match special tokens inside text,
+so there ``apply_chat_template`` gives the marker id for such a message: ours and theirs
+agree on every conversation whose contents hold no marker string.
+
+Layout: ``BOS``, then per turn ``marker content <|end|>``, with nothing between -- no
+newline after the marker or after ``<|end|>``. The marker ids delimit turns already; a
+newline would cost a token per marker, and, since the Hugging Face template's text is
+encoded as one segment between markers, a newline could merge with the content's first
+characters into one token, which would blur where the loss mask starts and make the two
+encodings differ. Each content is encoded on its own, so no token straddles a boundary;
+with the pipeline's identity normalisation there is no dummy prefix and no whitespace
+rewriting, so a content's ids do not depend on what precedes it. (A tokenizer with a
+dummy prefix, ``normalization: nfkc``, is refused: sentencepiece would put a space piece
+before every content and Hugging Face only before the first.)
+
+Loss mask: 1 exactly on each assistant turn's content tokens and its closing ``<|end|>``
+(so the model learns to stop), 0 on BOS, on every marker that opens a turn, and on
+system and user turns. No EOS follows the conversation: ``<|end|>`` after the last
+assistant turn is where generation stops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sentencepiece import sentencepiece_model_pb2 as model_pb2
+
+from lmforge.errors import InputError
+from lmforge.finetune.records import ASSISTANT, ROLES, SYSTEM, USER, ReadResult, Turn
+from lmforge.tokenizer import Tokenizer
+
+SYSTEM_MARKER, USER_MARKER, ASSISTANT_MARKER, END_MARKER = (
+    "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+# The tokens to reserve when training the tokenizer, in id order (4, 5, 6, 7).
+CHAT_MARKERS = (SYSTEM_MARKER, USER_MARKER, ASSISTANT_MARKER, END_MARKER)
+ROLE_MARKERS = {SYSTEM: SYSTEM_MARKER, USER: USER_MARKER, ASSISTANT: ASSISTANT_MARKER}
+
+# Reasons a conversation is rejected when rendered.
+TOO_LONG = "too_long"
+EMPTY_MASK = "empty_mask"
+
+# The same text as ``render_text``; the tokenizer's bos_token is "<s>".
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('role must be system, user or assistant, not ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+_MARKER_IDS: dict[str, dict[str, int]] = {}  # by tokenizer sha256: checked once
+
+
+def marker_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    """``{marker: id}``; an ``InputError`` if the tokenizer cannot carry the template."""
+    if tokenizer.sha256 not in _MARKER_IDS:
+        _MARKER_IDS[tokenizer.sha256] = _check_tokenizer(tokenizer)
+    return _MARKER_IDS[tokenizer.sha256]
+
+
+def _check_tokenizer(tokenizer: Tokenizer) -> dict[str, int]:
+    sp = tokenizer.sp
+    name = f"tokenizer {tokenizer.sha256[:12]}"
+    ids = {}
+    for marker in CHAT_MARKERS:
+        token_id = sp.piece_to_id(marker)
+        if sp.id_to_piece(token_id) != marker:
+            raise InputError(f"{name}: no chat marker {marker}; train it with "
+                             "reserved_tokens=CHAT_MARKERS (lmforge.tokenizer.train)")
+        if not sp.is_control(token_id):
+            raise InputError(f"{name}: chat marker {marker} is not a control symbol, so "
+                             "text containing it would encode to it")
+        ids[marker] = token_id
+    proto = model_pb2.ModelProto()
+    proto.ParseFromString(sp.serialized_model_proto())
+    spec = proto.normalizer_spec
+    if spec.add_dummy_prefix or spec.remove_extra_whitespaces:
+        raise InputError(f"{name}: adds a dummy prefix or drops whitespace (normalization: "
+                         "nfkc); the chat template needs normalization: identity")
+    return ids
+
+
+def render_text(turns: Sequence[Turn], add_generation_prompt: bool = False,
+                bos: str = "<s>") -> str:
+    """The conversation as text, exactly as ``CHAT_TEMPLATE`` writes it."""
+    text = bos + "".join(f"{ROLE_MARKERS[role]}{content}{END_MARKER}" for role, content in turns)
+    return text + ASSISTANT_MARKER if add_generation_prompt else text
+
+
+def render(turns: Sequence[Turn], tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """(ids, loss_mask) of a conversation; the mask is 1 on assistant content + ``<|end|>``."""
+    markers = marker_ids(tokenizer)
+    end = markers[END_MARKER]
+    contents = tokenizer.encode_batch([content for _, content in turns], num_threads=1)
+    ids, mask = [tokenizer.bos_id], [0]
+    for (role, _), content_ids in zip(turns, contents, strict=True):
+        if role not in ROLES:
+            raise ValueError(f"role {role!r} is not system, user or assistant")
+        learn = 1 if role == ASSISTANT else 0
+        ids.append(markers[ROLE_MARKERS[role]])
+        mask.append(0)
+        ids.extend(content_ids)
+        ids.append(end)
+        mask.extend([learn] * (len(content_ids) + 1))
+    return ids, mask
+
+
+def generation_prompt(turns: Sequence[Turn], tokenizer: Tokenizer) -> list[int]:
+    """The ids to generate the next assistant turn from: ``render`` + ``<|assistant|>``.
+
+    Generation should stop at ``<|end|>`` (``marker_ids(tokenizer)[END_MARKER]``).
+    """
+    ids, _ = render(turns, tokenizer)
+    return ids + [marker_ids(tokenizer)[ASSISTANT_MARKER]]
+
+
+def check_rendered(ids: Sequence[int], mask: Sequence[int], max_tokens: int | None
+                   ) -> tuple[str, str] | None:
+    """(reason, detail) when a rendered conversation must not be trained on, else None."""
+    if not any(mask):
+        return EMPTY_MASK, f"no assistant token to learn in {len(ids)} tokens"
+    if max_tokens is not None and len(ids) > max_tokens:
+        return TOO_LONG, f"{len(ids)} tokens > max_tokens={max_tokens}"
+    return None
+
+
+@dataclass(frozen=True)
+class Rendered:
+    file: str
+    line: int
+    ids: list[int]
+    mask: list[int]
+
+
+def render_all(result: ReadResult, tokenizer: Tokenizer, max_tokens: int | None
+               ) -> list[Rendered]:
+    """Render every kept example; one that fails ``check_rendered`` moves to the rejects.
+
+    ``result`` is updated in place (its examples, rejects and counts), so
+    ``in == kept + rejected`` still holds.
+    """
+    kept, out = [], []
+    for ex in result.examples:
+        ids, mask = render(ex.turns, tokenizer)
+        bad = check_rendered(ids, mask, max_tokens)
+        if bad is not None:
+            result.counts.n_in -= 1  # counted again by reject()
+            result.counts.kept -= 1
+            result.reject(ex.file, ex.line, *bad)
+            continue
+        kept.append(ex)
+        out.append(Rendered(ex.file, ex.line, ids, mask))
+    result.examples = kept
+    result.check()
+    return out
