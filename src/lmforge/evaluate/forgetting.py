@@ -1,0 +1,51 @@
+"""How much general ability a fine-tuned model lost: base vs tuned val figures per domain.
+
+Both models are scored on the same pretraining val split (``score_split(...).as_dict``);
+a domain's change counts as forgetting only when it is larger than the noise, measured by
+the two figures' standard errors (bootstrap over documents, lmforge.evaluate.scoring).
+The two scores share their documents, so treating them as independent overstates the
+noise: the test is conservative, and a flagged change is real.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# A change beyond this many combined standard errors is reported as real.
+SIGNIFICANT_Z = 2.0
+
+
+def forgetting_rows(base: dict[str, Any], tuned: dict[str, Any],
+                    figure: str = "bits_per_byte") -> list[dict[str, Any]]:
+    """One row per domain scored in both, then the mixture-weighted and token-weighted
+    overall rows: base, tuned, their stderrs, the change (tuned - base) and its z."""
+    rows = []
+    for name in sorted(set(base["domains"]) & set(tuned["domains"])):
+        rows.append(_row(name, base["domains"][name], tuned["domains"][name], figure))
+    for overall in ("mix_weighted", "token_weighted"):
+        if overall in base and overall in tuned:
+            rows.append(_row(overall, base[overall], tuned[overall], figure))
+    return rows
+
+
+def _row(name: str, b: dict[str, Any], t: dict[str, Any], figure: str) -> dict[str, Any]:
+    se_b = b.get(f"{figure}_stderr", float("nan"))
+    se_t = t.get(f"{figure}_stderr", float("nan"))
+    delta = t[figure] - b[figure]
+    se = math.hypot(se_b, se_t)
+    z = delta / se if se > 0 else float("nan")
+    return {"domain": name, "base": b[figure], "base_stderr": se_b, "tuned": t[figure],
+            "tuned_stderr": se_t, "change": delta, "z": z,
+            "forgot": bool(math.isfinite(z) and z > SIGNIFICANT_Z)}
+
+
+def forgetting_markdown(rows: list[dict[str, Any]], figure: str = "bits_per_byte") -> str:
+    """The rows as a markdown table (what the README and MLflow show)."""
+    lines = [f"| domain | base {figure} | tuned {figure} | change | z | forgotten |",
+             "|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['domain']} | {r['base']:.4f} ± {r['base_stderr']:.4f} | "
+                     f"{r['tuned']:.4f} ± {r['tuned_stderr']:.4f} | {r['change']:+.4f} | "
+                     f"{r['z']:+.1f} | {'yes' if r['forgot'] else 'no'} |")
+    return "\n".join(lines) + "\n"
