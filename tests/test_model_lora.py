@@ -190,7 +190,6 @@ def test_adapter_json_holds_the_settings(tmp_path):
     (dict(targets=[]), "at least one"),
     (dict(rank=0), "rank"),
     (dict(alpha=0), "alpha"),
-    (dict(dropout=0.1, targets=["wq"]), "dropout"),
     (dict(targets=["lm_head"]), "tied"),
 ])
 def test_bad_settings_are_one_line_config_errors(kwargs, match):
@@ -214,6 +213,35 @@ def test_target_matching_nothing_and_double_apply_are_errors():
     apply_lora(model, 2, 4, 0.0, ["wo"])
     with pytest.raises(ConfigError, match="already has LoRA"):
         apply_lora(model, 2, 4, 0.0, ["wq"])
+
+
+def test_fused_projections_use_the_adapter_path_not_the_effective_weight(monkeypatch):
+    """q/k/v and gate/up run one GEMM on the frozen weights plus each adapter's r-wide
+    path: no full-size weight product, and adapter dropout applies there too."""
+    model = base_model()
+    apply_lora(model, rank=4, alpha=8, dropout=0.5, targets=["wq", "wv", "w1", "w3"])
+    randomize_b(model)
+
+    def no_weight(self):
+        raise AssertionError("the effective weight was built")
+
+    monkeypatch.setattr(LoRALinear, "weight", property(no_weight))
+    idx, tgt = batch()
+    model.train()
+    torch.manual_seed(0)
+    a = model(idx)
+    torch.manual_seed(1)
+    assert not torch.allclose(a, model(idx))  # dropout on the adapter path
+    model.eval()
+    _, loss = model(idx, tgt)
+    loss.backward()
+    assert all(m.base.weight.grad is None for m in lora_modules(model).values())
+
+
+def test_dropout_on_a_head_read_as_a_weight_is_refused():
+    model = base_model(tie_embeddings=False)
+    with pytest.raises(ConfigError, match="dropout"):
+        apply_lora(model, rank=4, alpha=8, dropout=0.1, targets=["lm_head"])
 
 
 def test_dropout_applies_on_the_adapter_path_only():

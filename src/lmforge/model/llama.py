@@ -133,8 +133,7 @@ class Attention(nn.Module):
         # One GEMM for q, k and v (a wide matmul beats three narrow ones), and RoPE on q
         # and k together. The weights stay three parameters, so checkpoints, safetensors
         # and the Hugging Face export keep their names.
-        w = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])
-        qkv = F.linear(x, w).view(B, T, H + 2 * KV, D)
+        qkv = fused_linear(x, (self.wq, self.wk, self.wv)).view(B, T, H + 2 * KV, D)
         qk = apply_rope(qkv[:, :, :H + KV], cos, sin)
         q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
         v = qkv[:, :, H + KV:].transpose(1, 2)
@@ -162,6 +161,22 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
+def fused_linear(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> torch.Tensor:
+    """``x`` through several Linears as one GEMM, their outputs side by side.
+
+    A layer wrapped by LoRA (lmforge.model.lora) joins the GEMM with its frozen base
+    weight and adds its low-rank path ``delta(x)`` on its own slice of the output, so the
+    adapter costs r-wide matmuls, its input dropout applies, and the frozen weight gets no
+    gradient product.
+    """
+    out = F.linear(x, torch.cat([getattr(m, "base", m).weight for m in layers]))
+    if not any(hasattr(m, "delta") for m in layers):
+        return out
+    parts = [m.delta(x) if hasattr(m, "delta")
+             else x.new_zeros(*x.shape[:-1], m.weight.shape[0]) for m in layers]
+    return out + torch.cat(parts, dim=-1)
+
+
 class SwiGLU(nn.Module):
     """``w2(silu(w1 x) * w3 x)``."""
 
@@ -174,7 +189,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Gate and up projections as one GEMM; the weights stay separate parameters.
-        gate, up = F.linear(x, torch.cat([self.w1.weight, self.w3.weight])).chunk(2, dim=-1)
+        gate, up = fused_linear(x, (self.w1, self.w3)).chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 

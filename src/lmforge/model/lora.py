@@ -19,12 +19,13 @@ Targets (leaf names of the Linear layers in llama.py, in every block):
 * groups: ``attn`` = wq, wk, wv, wo; ``mlp`` = w1, w2, w3
 
 How llama.py sees a wrapped layer: ``wo``, ``w2`` and the head (when logits are
-computed) are called as modules and take the cheap path ``base(x) + B(A(drop(x)))``.
-The fused GEMMs (q/k/v, gate/up, and the head under ``fused_loss``) read ``.weight``
-directly; :attr:`LoRALinear.weight` is therefore the *effective* weight
-``W + (alpha / r) B A``, differentiable in A and B, so those paths are exact without
-dropout. They cannot drop out the input on the adapter path alone, so ``dropout > 0``
-is refused for those targets (:data:`WEIGHT_READ_TARGETS`) instead of silently ignored.
+computed) are called as modules and take the cheap path ``base(x) + B(A(drop(x)))``; the
+fused GEMMs (q/k/v, gate/up) run on the frozen base weights and add each adapter's
+``delta(x)`` on its slice (``llama.fused_linear``), so they are as cheap and take dropout
+too. Only the head under ``fused_loss`` reads ``.weight`` directly:
+:attr:`LoRALinear.weight` is the *effective* weight ``W + (alpha / r) B A``,
+differentiable in A and B, exact without dropout; ``dropout > 0`` is refused for that
+target (:data:`WEIGHT_READ_TARGETS`) instead of silently ignored.
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ ATTN_TARGETS = ("wq", "wk", "wv", "wo")
 MLP_TARGETS = ("w1", "w2", "w3")
 TARGETS = ATTN_TARGETS + MLP_TARGETS + ("lm_head",)
 GROUPS = {"attn": ATTN_TARGETS, "mlp": MLP_TARGETS}
-# Layers whose ``.weight`` llama.py reads for a fused GEMM / the fused loss instead of
-# calling the module: adapter dropout cannot apply there.
-WEIGHT_READ_TARGETS = ("wq", "wk", "wv", "w1", "w3", "lm_head")
+# Layers whose ``.weight`` llama.py reads (the fused loss) instead of calling the module:
+# adapter dropout cannot apply there.
+WEIGHT_READ_TARGETS = ("lm_head",)
 
 ADAPTER_WEIGHTS = "adapter.safetensors"
 ADAPTER_CONFIG = "adapter.json"
