@@ -82,3 +82,16 @@ def test_a_run_without_a_recorded_identity_says_so(repo, capsys):
     write_json(ck / runs.run_id(fps["b"]) / runs.RUN_FILE, record)
     main(["checkpoints", "--dir", str(ck)])
     assert "params not recorded" in capsys.readouterr().out
+
+
+def test_prune_refuses_when_the_current_run_cannot_be_told(repo, tmp_path, capsys):
+    ck, _ = repo
+    (tmp_path / "models" / "tokenizer" / "tokenizer.model").unlink()  # not built (yet)
+    with pytest.raises(SystemExit) as stop:
+        main(["checkpoints", "prune"])
+    assert stop.value.code == 2
+    assert "no run matches params.yaml" in capsys.readouterr().err
+    assert len(list(ck.iterdir())) == 2  # nothing removed
+    with pytest.raises(SystemExit):  # a bare --keep keeps nothing: refused by the parser
+        main(["checkpoints", "prune", "--keep"])
+    assert len(list(ck.iterdir())) == 2

@@ -10,7 +10,7 @@ from typing import Any
 from lmforge.config import Params, flatten, load_params
 from lmforge.errors import InputError
 from lmforge.train import checkpoint as ckpt
-from lmforge.train.runs import RunInfo, list_runs, prune_runs, run_id
+from lmforge.train.runs import RunInfo, list_runs, prune_runs
 from lmforge.train.telemetry import format_duration
 
 SHARDS = Path("data/shards")
@@ -22,7 +22,8 @@ def current_identity(params: Params, shards: Path = SHARDS,
     """The run identity params.yaml and the workspace's data would train now.
 
     Parts that cannot be known here (no shards or tokenizer built yet) are left out, so
-    they are never reported as differences.
+    they are never reported as differences. The world size is ``train.nproc`` (a
+    multi-node torchrun run records its own: it shows as a difference).
     """
     from lmforge.shards.format import file_sha256
     from lmforge.train.warm_start import weights_sha256
@@ -70,14 +71,32 @@ def _size(n: int) -> str:
     return f"{n:.1f} TB"
 
 
+def _plain(obj: Any) -> Any:
+    """As run.json holds it (JSON types: tuples become lists)."""
+    return json.loads(json.dumps(obj))
+
+
+def current_runs(runs: list[RunInfo], now: dict[str, Any]) -> set[str]:
+    """Runs whose recorded identity is what params.yaml and the workspace train now.
+
+    Compared field by field with run.json, not by re-hashing: a part the workspace cannot
+    tell (no shards or tokenizer built yet) matches nothing, so no run is taken for the
+    current one by accident.
+    """
+    if "data" not in now or "tokenizer_sha256" not in now:
+        return set()
+    want = _plain(now)
+    return {r.id for r in runs if r.record.get("identity") == want}
+
+
 def runs_table(runs: list[RunInfo], now: dict[str, Any]) -> str:
     """One line per run: id, step, status, size, age, and how it differs from params.yaml."""
-    current = run_id(ckpt.fingerprint_of(now)) if "data" in now else None
+    current = current_runs(runs, now)
     lines = [f"{'run':<18} {'step':>13}  {'status':<12} {'size':>9}  {'written':>9}  "
              "differs from params.yaml"]
     for r in runs:
         steps = f"{r.last_step}/{r.record.get('max_steps') or '?'}"
-        diff = ("(this is the run params.yaml trains)" if r.id == current
+        diff = ("(this is the run params.yaml trains)" if r.id in current
                 else "; ".join(differences(r.record.get("identity"), now)) or "(same params)")
         lines.append(f"{r.id:<18} {steps:>13}  {r.status:<12} {_size(r.size_bytes):>9}  "
                      f"{format_duration(r.age_seconds) + ' ago':>9}  {diff}")
@@ -99,11 +118,13 @@ def cmd_prune(args: argparse.Namespace) -> None:
     keep: set[str] = set()
     for wanted in args.keep:
         if wanted == "current":
-            now = current_identity(load_params(args.params))
-            if "data" not in now:
-                raise InputError("checkpoints prune --keep current: no shards built, so the "
-                                 "current run is unknown; name the run to keep by its id")
-            keep.add(run_id(ckpt.fingerprint_of(now)))
+            current = current_runs(runs, current_identity(load_params(args.params)))
+            if not current:
+                raise InputError(
+                    "checkpoints prune --keep current: no run matches params.yaml and the "
+                    "built shards/tokenizer (or they are not built); name the runs to keep "
+                    "by id (lmforge checkpoints lists them)")
+            keep.update(current)
             continue
         match = [r.id for r in runs if r.id.startswith(wanted)]
         if len(match) != 1:
@@ -136,7 +157,7 @@ def add_checkpoints_parser(sub: argparse._SubParsersAction) -> None:
     actions = p.add_subparsers(dest="action")
     prune = actions.add_parser("prune", parents=[_location_args(True)],
                                help="delete every run but the kept ones")
-    prune.add_argument("--keep", nargs="*", default=["current"],
+    prune.add_argument("--keep", nargs="+", default=["current"],
                        help="run ids (a prefix is enough) or 'current' (the default: the "
                             "run params.yaml trains)")
     prune.add_argument("--dry-run", action="store_true", help="only say what would go")
