@@ -717,3 +717,5 @@ def test_a_run_whose_outputs_cannot_be_written_ends_failed_in_mlflow(tmp_path, m
     (exp,) = [e for e in client.search_experiments() if e.name == "lmforge"]
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.status == "FAILED"
+    (recorded,) = runs.list_runs(paths.checkpoints)  # lmforge checkpoints says so too
+    assert recorded.record["status"] == "failed" and recorded.status == "interrupted"

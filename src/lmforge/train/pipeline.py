@@ -71,10 +71,12 @@ def run_train_stage(params: Params, paths: TrainPaths, module: str = "stages.tra
             try:
                 write_outputs(result, paths, special, tokenizer_sha)
             except BaseException:
-                # The loop closed the MLflow run FINISHED; without its outputs it is not.
+                # The loop closed the run FINISHED; without its outputs it is not.
                 from lmforge.tracking import end_run
+                from lmforge.train.runs import run_dir, update_run
 
                 end_run(result.run_id, "FAILED")
+                update_run(run_dir(paths.checkpoints, result.fingerprint), status="failed")
                 raise
     finally:
         distributed.teardown()

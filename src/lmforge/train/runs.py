@@ -134,17 +134,20 @@ def adopt_legacy(root: str | os.PathLike, log: Callable[[str], None] = print) ->
     for path in ckpt.list_checkpoints(root):
         try:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            fp = str(state["fingerprint"])
-        except Exception:
+            fp, step = str(state["fingerprint"]), int(state["step"])
+        except Exception:  # unreadable, or moved away by another process: leave it
             continue
         directory = run_dir(root, fp)
         if not (directory / RUN_FILE).is_file():
             directory.mkdir(parents=True, exist_ok=True)
             write_json(directory / RUN_FILE, {
                 "fingerprint": fp, "started": None, "updated": _now(),
-                "max_steps": None, "status": "adopted", "last_step": int(state["step"]),
+                "max_steps": None, "status": "adopted", "last_step": step,
                 "last_checkpoint": path.name}, durable=True)
-        path.replace(directory / path.name)
+        try:
+            path.replace(directory / path.name)
+        except FileNotFoundError:  # another run starting beside us moved it first
+            continue
         moved += 1
     light = root / "light"
     if light.is_dir():
@@ -173,10 +176,6 @@ class RunInfo:
     size_bytes: int
     newest: Path | None
     training_now: bool
-
-    @property
-    def fingerprint(self) -> str:
-        return str(self.record.get("fingerprint") or self.id)
 
     @property
     def last_step(self) -> int:
