@@ -37,7 +37,8 @@ def main(params: Params) -> None:
     seq_len = model.config.seq_len
     started = time.perf_counter()
 
-    mixture = ShardSet("data/shards/train").domain_shares()
+    train_shards = ShardSet("data/shards/train")
+    mixture = train_shards.domain_shares()
     val = score_split(model, ShardSet("data/shards/val"), seq_len, cfg.batch_size,
                       cfg.max_batches, device, amp).as_dict(mixture)
     for name, d in val["domains"].items():
@@ -49,7 +50,7 @@ def main(params: Params) -> None:
                                    **WEIGHTING},
                      "val": val}
     if cfg.train_batches:
-        train = score_split(model, ShardSet("data/shards/train"), seq_len, cfg.batch_size,
+        train = score_split(model, train_shards, seq_len, cfg.batch_size,
                             cfg.train_batches, device, amp).as_dict(mixture)
         results["train"] = {k: train[k] for k in ("mix_weighted", "token_weighted")}
         # Both sides weighted alike: the gap measures overfitting, not the val split's

@@ -39,3 +39,6 @@ def test_a_change_within_the_noise_is_not_called_forgetting():
     table = forgetting_markdown(list(rows.values()))
     assert table.splitlines()[0].startswith("| domain | base bits_per_byte")
     assert "| b | " in table and table.count("\n") == 2 + len(rows)
+    # The token-weighted row has no error bars: no verdict rather than a false "no".
+    assert table.splitlines()[-1].startswith("| token_weighted |")
+    assert table.splitlines()[-1].endswith("| n/a | n/a |")

@@ -120,17 +120,12 @@ def test_per_domain_stderr_and_the_mixture_stderr():
         math.sqrt((0.5 * a["loss_stderr"]) ** 2 + (0.5 * b["loss_stderr"]) ** 2))
 
 
-def test_the_training_loops_val_loss_is_weighted_like_the_evaluate_headline():
-    from lmforge.train.loop import mix_weighted_loss
+def test_mixture_mean_renormalises_over_the_domains_it_has():
+    from lmforge.shards.loader import mixture_mean
 
-    score = SplitScore(["a", "b", "c"], bytes_per_token=[1.0, 1.0, 1.0])
-    score.add(torch.tensor([1.0, 2.0, 4.0, 4.0, 4.0, 0.5]), torch.tensor([0, 0, 1, 1, 1, 2]))
-    shares = {"a": {"tokens": 0.2, "bytes": 0.2}, "b": {"tokens": 0.8, "bytes": 0.8}}
-    headline = score.as_dict(shares)["mix_weighted"]["loss"]
-    loop = mix_weighted_loss([3.0, 12.0, 0.5], [2, 3, 1], ["a", "b", "c"], shares)
-    assert loop == pytest.approx(headline) == pytest.approx(0.2 * 1.5 + 0.8 * 4.0)
-    # No scored domain in the training mixture: plain token-weighted mean.
-    assert mix_weighted_loss([3.0, 1.0], [2, 2], ["x", "y"], shares) == pytest.approx(1.0)
+    weights = {"a": 0.2, "b": 0.6, "c": 0.2}
+    assert mixture_mean({"a": 1.5, "b": 4.0}, weights) == pytest.approx(0.25 * 1.5 + 0.75 * 4)
+    assert math.isnan(mixture_mean({"x": 1.0}, weights))  # nothing trained on was scored
 
 
 def test_domain_shares_are_the_train_splits_token_and_byte_shares(tmp_path):

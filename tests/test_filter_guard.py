@@ -70,6 +70,7 @@ def test_a_domain_left_with_too_few_documents(tmp_path):
     assert line.startswith("filter: poems kept 3 of 3 documents, fewer than min_docs 10 "
                            "(too few for a val split)")
     assert line.endswith("filter.domains.poems.min_docs: 3")
+    assert "keep them" not in line  # nothing was removed: nothing to keep back
     cfg.domains["poems"].min_docs = 3
     assert loss_problems(cfg, metrics) == []
 

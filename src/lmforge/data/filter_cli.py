@@ -14,7 +14,7 @@ from lmforge.config import IngestConfig, load_params
 from lmforge.data import readers
 from lmforge.data.filter_report import render
 from lmforge.data.filtering import domain_metrics, judge_table, loss_problems
-from lmforge.data.ingest import resolve_files
+from lmforge.data.ingest import id_and_source, resolve_files
 
 
 def sample_table(cfg: IngestConfig, per_domain: int) -> pa.Table:
@@ -29,10 +29,11 @@ def sample_table(cfg: IngestConfig, per_domain: int) -> pa.Table:
                                         src.txt_split, cfg.max_record_bytes):
             if not isinstance(rec, readers.Doc):
                 continue
-            rows["id"].append(rec.id if rec.id is not None else f"{path}:{rec.pos}")
+            doc_id, source = id_and_source(rec, path)
+            rows["id"].append(doc_id)
             rows["text"].append(rec.text)
             rows["domain"].append(src.domain)
-            rows["source"].append(rec.source if rec.source is not None else path)
+            rows["source"].append(source)
             taken[src.domain] = taken.get(src.domain, 0) + 1
             if taken[src.domain] >= per_domain:
                 break

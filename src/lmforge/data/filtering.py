@@ -164,17 +164,22 @@ def loss_problems(cfg: FilterConfig, metrics: dict[str, Any]) -> list[str]:
         by_rule = ", ".join(f"{r} {n:,}" for r, n in top) or "no rule"
         where = f"filter.domains.{domain}"
         rules = [r for r, _ in top if r != PII_RULE]
-        keep = (f"keep them with {where}.skip: [{', '.join(rules)}] (or a kind that fits "
-                f"the text, now {s['kind']})" if rules else "keep them with filter.pii: redact")
+        if rules:
+            keep = (f"keep them with {where}.skip: [{', '.join(rules)}] (or a kind that fits "
+                    f"the text, now {s['kind']}), ")
+        elif lost:  # only PII drops
+            keep = "keep them with filter.pii: redact, "
+        else:  # a small domain the rules left whole: nothing to keep back
+            keep = ""
         if share > s["max_loss"]:
             accept = math.ceil(share * 20) / 20
             problems.append(
                 f"filter: {domain} lost {lost:,} of {n_in:,} documents ({share:.0%}, above "
-                f"max_loss {s['max_loss']}): {by_rule}; {keep}, or accept the loss with "
+                f"max_loss {s['max_loss']}): {by_rule}; {keep}or accept the loss with "
                 f"{where}.max_loss: {accept}")
         elif c["kept"] < s["min_docs"]:
             problems.append(
                 f"filter: {domain} kept {c['kept']:,} of {n_in:,} documents, fewer than "
-                f"min_docs {s['min_docs']} (too few for a val split): {by_rule}; {keep}, "
+                f"min_docs {s['min_docs']} (too few for a val split): {by_rule}; {keep}"
                 f"add documents, or accept it with {where}.min_docs: {c['kept']}")
     return problems

@@ -78,6 +78,12 @@ def resolve_files(sources: list[SourceConfig]) -> list[tuple[int, str]]:
     return files
 
 
+def id_and_source(rec: readers.Doc, path: str) -> tuple[str, str]:
+    """A document's id (its own, else ``path:position``) and source (else the path)."""
+    return (rec.id if rec.id is not None else f"{path}:{rec.pos}",
+            rec.source if rec.source is not None else path)
+
+
 def ingest_file(task: FileTask) -> FileResult:
     """Read one raw file into a temporary Parquet file; collect its rejects (worker)."""
     src = task.source
@@ -91,10 +97,11 @@ def ingest_file(task: FileTask) -> FileResult:
             if not isinstance(rec, Doc):
                 rejects.append((task.path, rec.pos, src.domain, rec.reason, rec.detail))
                 continue
-            rows["id"].append(rec.id if rec.id is not None else f"{task.path}:{rec.pos}")
+            doc_id, source = id_and_source(rec, task.path)
+            rows["id"].append(doc_id)
             rows["text"].append(rec.text)
             rows["domain"].append(src.domain)
-            rows["source"].append(rec.source if rec.source is not None else task.path)
+            rows["source"].append(source)
             rows["file"].append(task.path)
             rows["line"].append(rec.pos)
             docs += 1

@@ -40,12 +40,20 @@ def _row(name: str, b: dict[str, Any], t: dict[str, Any], figure: str) -> dict[s
             "forgot": bool(math.isfinite(z) and z > SIGNIFICANT_Z)}
 
 
+def _fig(value: float, stderr: float) -> str:
+    return f"{value:.4f} ± {stderr:.4f}" if math.isfinite(stderr) else f"{value:.4f}"
+
+
 def forgetting_markdown(rows: list[dict[str, Any]], figure: str = "bits_per_byte") -> str:
     """The rows as a markdown table (what the README and MLflow show)."""
     lines = [f"| domain | base {figure} | tuned {figure} | change | z | forgotten |",
              "|---|---:|---:|---:|---:|---|"]
     for r in rows:
-        lines.append(f"| {r['domain']} | {r['base']:.4f} ± {r['base_stderr']:.4f} | "
-                     f"{r['tuned']:.4f} ± {r['tuned_stderr']:.4f} | {r['change']:+.4f} | "
-                     f"{r['z']:+.1f} | {'yes' if r['forgot'] else 'no'} |")
+        # Without error bars (the token-weighted figure has none) there is no verdict.
+        known = math.isfinite(r["z"])
+        z = f"{r['z']:+.1f}" if known else "n/a"
+        verdict = ("yes" if r["forgot"] else "no") if known else "n/a"
+        lines.append(f"| {r['domain']} | {_fig(r['base'], r['base_stderr'])} | "
+                     f"{_fig(r['tuned'], r['tuned_stderr'])} | {r['change']:+.4f} | "
+                     f"{z} | {verdict} |")
     return "\n".join(lines) + "\n"

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lmforge.shards.loader import ShardSet, eval_batches
+from lmforge.shards.loader import ShardSet, eval_batches, mixture_mean
 
 BOOTSTRAP_SAMPLES = 1000
 WEIGHTING = {
@@ -129,32 +129,36 @@ def bootstrap_stderr(nats: np.ndarray, tokens: np.ndarray, seed: int = 0,
     if n < 2:
         return float("nan")
     rng = np.random.default_rng(seed)
-    picks = rng.integers(0, n, size=(samples, n))
-    ratios = nats[picks].sum(axis=1) / np.maximum(tokens[picks].sum(axis=1), 1)
-    return float(ratios.std(ddof=1))
+    # Resamples in blocks, so memory stays at block x n whatever the number of documents.
+    block = max(1, min(samples, 2**22 // n))
+    ratios = []
+    for start in range(0, samples, block):
+        picks = rng.integers(0, n, size=(min(block, samples - start), n))
+        ratios.append(nats[picks].sum(axis=1) / np.maximum(tokens[picks].sum(axis=1), 1))
+    return float(np.concatenate(ratios).std(ddof=1))
 
 
 def mix_weighted(domains: dict[str, dict], mixture: dict[str, dict[str, float]]) -> dict:
     """The domains' figures weighted like the training mixture (renormalised over the
     domains both scored and trained on); stderr combines the domains' independently."""
-    live = [d for d in domains if mixture.get(d, {}).get("tokens", 0) > 0]
-    if not live:
-        nan = float("nan")
-        return {"loss": nan, "perplexity": nan, "bits_per_byte": nan, "loss_stderr": nan,
-                "bits_per_byte_stderr": nan}
-    wt = {d: mixture[d]["tokens"] for d in live}
-    wb = {d: mixture[d]["bytes"] for d in live}
-    st, sb = sum(wt.values()), sum(wb.values())
-    loss = sum(wt[d] / st * domains[d]["loss"] for d in live)
-    bpb = sum(wb[d] / sb * domains[d]["bits_per_byte"] for d in live) if sb else float("nan")
+    wt = {d: m["tokens"] for d, m in mixture.items()}
+    wb = {d: m["bytes"] for d, m in mixture.items()}
 
-    def combined(key: str, w: dict[str, float], total: float) -> float:
+    def mean(key: str, w: dict[str, float]) -> float:
+        return mixture_mean({d: f[key] for d, f in domains.items()}, w)
+
+    def stderr(key: str, w: dict[str, float]) -> float:
+        live = [d for d in domains if w.get(d, 0) > 0]
+        total = sum(w[d] for d in live)
+        if not total:
+            return float("nan")
         return math.sqrt(sum((w[d] / total * domains[d][key]) ** 2 for d in live))
 
-    return {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": bpb,
-            "loss_stderr": combined("loss_stderr", wt, st),
-            "bits_per_byte_stderr": combined("bits_per_byte_stderr", wb, sb) if sb
-            else float("nan")}
+    loss = mean("loss", wt)
+    return {"loss": loss, "perplexity": math.exp(loss) if math.isfinite(loss) else loss,
+            "bits_per_byte": mean("bits_per_byte", wb),
+            "loss_stderr": stderr("loss_stderr", wt),
+            "bits_per_byte_stderr": stderr("bits_per_byte_stderr", wb)}
 
 
 def bytes_per_token(shards: ShardSet) -> list[float]:

@@ -169,12 +169,16 @@ def fused_linear(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> torch.Tensor
     adapter costs r-wide matmuls, its input dropout applies, and the frozen weight gets no
     gradient product.
     """
-    out = F.linear(x, torch.cat([getattr(m, "base", m).weight for m in layers]))
+    weights = [getattr(m, "base", m).weight for m in layers]
+    out = F.linear(x, torch.cat(weights))
     if not any(hasattr(m, "delta") for m in layers):
         return out
-    parts = [m.delta(x) if hasattr(m, "delta")
-             else x.new_zeros(*x.shape[:-1], m.weight.shape[0]) for m in layers]
-    return out + torch.cat(parts, dim=-1)
+    parts, start = [], 0
+    for m, w in zip(layers, weights, strict=True):
+        piece = out[..., start:start + w.shape[0]]
+        parts.append(piece + m.delta(x) if hasattr(m, "delta") else piece)
+        start += w.shape[0]
+    return torch.cat(parts, dim=-1)
 
 
 class SwiGLU(nn.Module):

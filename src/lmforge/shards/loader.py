@@ -163,6 +163,16 @@ class ShardSet:
         return positions - self._doc_starts[self.doc_of(positions)]
 
 
+def mixture_mean(values: dict[str, float], weights: dict[str, float]) -> float:
+    """Per-domain ``values`` weighted by ``weights`` (a split's ``domain_shares``),
+    renormalised over the domains that have both; NaN when none has."""
+    live = [d for d in values if weights.get(d, 0) > 0]
+    total = sum(weights[d] for d in live)
+    if not total:
+        return float("nan")
+    return sum(weights[d] / total * values[d] for d in live)
+
+
 class WindowLoader:
     """Seeded, resumable, rank-sharded training batches of ``seq_len + 1``-token windows.
 

@@ -130,7 +130,7 @@ class ShardWriter:
                domains: np.ndarray, mask: np.ndarray | None) -> None:
         assert self._file is not None
         self._file.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
-        if self._mask_file is not None and mask is not None:
+        if mask is not None:
             self._mask_file.write(np.ascontiguousarray(mask, dtype=np.uint8).tobytes())
         self._ntok += len(tokens)
         self._lens.append(lens)

@@ -25,6 +25,7 @@ from lmforge.model.generate import generate
 from lmforge.model.llama import Llama
 from lmforge.model.loss import IGNORE_INDEX
 from lmforge.model.saved import save_weights
+from lmforge.shards.loader import mixture_mean
 from lmforge.train import checkpoint as ckpt
 from lmforge.train import runs
 from lmforge.train.compiler import resolve_compile
@@ -384,7 +385,10 @@ def _optimizer_step(step_model: torch.nn.Module, ddp: DistributedDataParallel | 
     # (inputs, targets) or, with document masking, (inputs, targets, positions).
     batches = [[torch.as_tensor(t) for t in loader.next_batch()] for _ in range(accum)]
     counts = [int((b[1] != IGNORE_INDEX).sum()) for b in batches]
-    total = _step_target_count(sum(counts), env)
+    # Pretraining windows (no loss mask) are all targets on every rank: the step's count
+    # is known without asking the other ranks.
+    masked = getattr(getattr(loader, "shards", None), "has_loss_mask", True)
+    total = _step_target_count(sum(counts), env) if masked else sum(counts) * env.world_size
     loss_sum = torch.zeros((), device=env.device)
     for micro, (host, count) in enumerate(zip(batches, counts, strict=True)):
         batch = [t.to(env.device, non_blocking=True) for t in host]
@@ -461,19 +465,9 @@ def evaluate_loss(model: Llama, data: TrainData, params: Params, precision: Prec
     if env.distributed:
         dist.all_reduce(sums)
     model.train()
-    return mix_weighted_loss(sums[0].tolist(), sums[1].tolist(), names,
-                             data.train.domain_shares())
-
-
-def mix_weighted_loss(nats: list[float], tokens: list[float], names: list[str],
-                      shares: dict[str, dict[str, float]]) -> float:
-    """Sum over domains of (train token share) x (mean loss), renormalised over the
-    domains scored; token-weighted when no scored domain was trained on."""
-    live = [(n / t, shares[d]["tokens"]) for n, t, d in zip(nats, tokens, names, strict=True)
-            if t and d in shares]
-    if not live:
-        return sum(nats) / sum(tokens) if sum(tokens) else float("nan")
-    return sum(loss * w for loss, w in live) / sum(w for _, w in live)
+    losses = {d: n / t for d, n, t in zip(names, *sums.tolist(), strict=True) if t}
+    shares = data.train.domain_shares()
+    return mixture_mean(losses, {d: w["tokens"] for d, w in shares.items()})
 
 
 def _log_step(step: int, lr: float, grad_norm: float, interval: _Interval, skipped: int,
