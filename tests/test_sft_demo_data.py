@@ -1,4 +1,4 @@
-"""The shipped demo instruction set (data/sft/demo): shape, split and size guarantees."""
+"""The shipped demo instruction set (data/instructions/demo): shape, split and size guarantees."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SFT = Path(__file__).resolve().parents[1] / "data" / "sft" / "demo"
+SFT = Path(__file__).resolve().parents[1] / "data" / "instructions" / "demo"
 #: What PROVENANCE.md promises: a few thousand train and a few hundred test records.
 TRAIN_RANGE = (2_000, 10_000)
 TEST_RANGE = (200, 1_500)
@@ -20,7 +20,7 @@ MAX_CHARS = {"en": 600, "zh": 200}
 def load(name: str) -> list[dict]:
     path = SFT / name
     if not path.is_file():
-        pytest.fail(f"{path}: missing; rebuild with data/sft/demo/build_sft_demo.py")
+        pytest.fail(f"{path}: missing; rebuild with data/instructions/demo/build_sft_demo.py")
     assert path.stat().st_size < MAX_FILE_BYTES
     raw = path.read_bytes()
     assert raw[4:8] == b"\0\0\0\0", f"{name}: gzip mtime is not 0 (bytes would not be stable)"

@@ -20,7 +20,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, ClassVar, Literal, get_args, get_origin
 
 import yaml
 
@@ -29,6 +29,9 @@ from lmforge.data.rule_names import PII_KINDS, RULE_NAMES, unknown_rules
 from lmforge.errors import ConfigError
 
 # --------------------------------------------------------------------------- sections
+
+# The chat template's role markers, in id order (lmforge.finetune.template uses these).
+CHAT_MARKERS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 
 
 @dataclass
@@ -268,8 +271,16 @@ class TokenizerConfig:
     # such as `lmforge import hf`'s output) used as is instead of training one: for
     # continued pretraining with train.init_from. The training settings above are unused.
     init_from: str | None = None
+    # Control symbols at ids 4, 5, ... that encoding text never produces: the chat
+    # template's role markers (lmforge.finetune.template.CHAT_MARKERS), reserved when the
+    # tokenizer is trained so that fine-tuning never needs a new one.
+    reserved_tokens: list[str] = field(default_factory=lambda: list(CHAT_MARKERS))
 
     def validate(self) -> None:
+        if len(set(self.reserved_tokens)) != len(self.reserved_tokens) or not all(
+                self.reserved_tokens):
+            raise ConfigError("tokenizer.reserved_tokens: tokens must be distinct and "
+                              "non-empty")
         if self.vocab_size < 260:
             raise ConfigError(
                 f"tokenizer.vocab_size: {self.vocab_size} is too small for byte fallback "
@@ -334,6 +345,22 @@ class ModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (lmforge.model.lora): the base is frozen, only adapters train."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # Layer names (wq wk wv wo w1 w2 w3 lm_head) or groups (attn, mlp).
+    targets: list[str] = field(default_factory=lambda: ["attn", "mlp"])
+
+    def validate(self) -> None:
+        if self.rank < 1 or self.alpha <= 0 or not 0 <= self.dropout < 1 or not self.targets:
+            raise ConfigError("lora: rank must be >= 1, alpha > 0, dropout in [0, 1), and "
+                              "targets non-empty")
+
+
+@dataclass
 class TrainConfig:
     max_steps: int = 1000
     micro_batch_size: int = 16
@@ -383,14 +410,19 @@ class TrainConfig:
     # Number of processes (torchrun --nproc_per_node); 1 = plain python.
     nproc: int = 1
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = all cores
+    # Train LoRA adapters on a frozen model instead of every weight (null = all weights).
+    lora: LoraConfig | None = None
 
     def validate(self) -> None:
+        if self.lora is not None:
+            self.lora.validate()
         _positive(self, "max_steps", "micro_batch_size", "grad_accum_steps", "log_every",
                   "eval_batches", "ckpt_every", "keep_last", "nproc", "max_bad_steps")
         _non_negative(self, "eval_every", "sample_every", "light_every", "num_threads",
                       "weight_decay", "label_smoothing", "z_loss", "warmup")
         if not 0 < self.max_lr < 1:
-            raise ConfigError(f"train.max_lr: {self.max_lr} must be in (0, 1)")
+            raise ConfigError(f"{_section(self)}.{yaml_name(type(self), 'max_lr')}: "
+                              f"{self.max_lr} must be in (0, 1)")
         _fraction(self, "min_lr_ratio", "decay_fraction")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ConfigError("train.beta1 and train.beta2 must be in [0, 1)")
@@ -429,6 +461,73 @@ class EvaluateConfig:
 
 
 @dataclass
+class SftDataConfig:
+    """Instruction/chat records -> masked, packed token shards (the sft_data stage)."""
+
+    # JSON-lines files (globs): chat `messages`, Alpaca, or prompt/completion records.
+    sources: list[str] = field(
+        default_factory=lambda: ["data/instructions/demo/train.jsonl.gz"])
+    # Packed row length, which is the fine-tuning context: no example crosses a row.
+    seq_len: int = 256
+    # Share of examples held out for the val loss during fine-tuning (by a seeded hash).
+    val_fraction: float = 0.05
+    max_record_bytes: int = 64 * 1024 * 1024
+    seed: int = 1234
+
+    def validate(self) -> None:
+        if not self.sources:
+            raise ConfigError("sft_data.sources: give at least one file or glob")
+        _positive(self, "seq_len", "max_record_bytes")
+        if not 0 < self.val_fraction < 0.5:
+            raise ConfigError(f"sft_data.val_fraction: {self.val_fraction} must be in (0, 0.5)")
+
+
+@dataclass
+class SftConfig(TrainConfig):
+    """Supervised fine-tuning: the train loop's knobs, plus replay and document masking.
+
+    The peak learning rate is ``lr`` here (``max_lr`` in ``train``).
+    """
+
+    YAML_NAMES: ClassVar[dict[str, str]] = {"max_lr": "lr"}
+
+    max_steps: int = 150
+    max_lr: float = 1e-3
+    warmup: float = 0.1
+    weight_decay: float = 0.0
+    # The model fine-tuning starts from (a model dir or a step-*.pt checkpoint).
+    init_from: str | None = "models/final"
+    # Share of each batch's rows drawn from the pretraining shards (the notes' 9:1 to
+    # 7:3 is 0.1 to 0.3): general text keeps the model from forgetting it.
+    replay: float = 0.0
+    # Attention stops at example boundaries in packed rows (positions restart at 0).
+    doc_mask: bool = True
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.init_from:
+            raise ConfigError("sft.init_from: name the model to fine-tune (e.g. models/final)")
+        if not 0 <= self.replay < 1:
+            raise ConfigError(f"sft.replay: {self.replay} must be in [0, 1)")
+
+
+@dataclass
+class EvaluatePostConfig:
+    """The evaluate_post stage: held-out tasks, forgetting, chat samples."""
+
+    test: str = "data/instructions/demo/test.jsonl.gz"
+    # Multiple-choice records (`choices`, `answer`); null = none.
+    test_mc: str | None = "data/instructions/demo/test_mc.jsonl.gz"
+    batch_size: int = 16
+    # User messages answered by the base and the fine-tuned model in metrics/post_samples.md.
+    prompts: list[str] = field(default_factory=lambda: ["Give the antonym of the adjective \"hot\"."])
+    max_new_tokens: int = 48
+
+    def validate(self) -> None:
+        _positive(self, "batch_size", "max_new_tokens")
+
+
+@dataclass
 class Params:
     """All of params.yaml. Each stage validates the whole file but reads only its section."""
 
@@ -441,6 +540,9 @@ class Params:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    sft_data: SftDataConfig = field(default_factory=SftDataConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
+    evaluate_post: EvaluatePostConfig = field(default_factory=EvaluatePostConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -494,7 +596,9 @@ def from_dict(cls: type, data: Any, prefix: str) -> Any:
     where = prefix.rstrip(".") or "top level"
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping, got {_kind(data)}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    names = yaml_keys(cls)  # params.yaml key -> field name
+    fields = {key: f for f in dataclasses.fields(cls)
+              for key in [yaml_name(cls, f.name)]}
     hints = typing.get_type_hints(cls)
     for key in data:
         if key not in fields:
@@ -506,8 +610,18 @@ def from_dict(cls: type, data: Any, prefix: str) -> Any:
                     and f.default_factory is dataclasses.MISSING)
         if required and name not in data:
             raise ConfigError(f"{prefix}{name}: required key missing")
-    values = {k: _coerce(hints[k], v, f"{prefix}{k}") for k, v in data.items()}
+    values = {names[k]: _coerce(hints[names[k]], v, f"{prefix}{k}") for k, v in data.items()}
     return cls(**values)
+
+
+def yaml_name(cls: type, field_name: str) -> str:
+    """The params.yaml key of a config field (a section may rename one, as sft's lr)."""
+    return getattr(cls, "YAML_NAMES", {}).get(field_name, field_name)
+
+
+def yaml_keys(cls: type) -> dict[str, str]:
+    """``{params.yaml key: field name}`` for a config dataclass."""
+    return {yaml_name(cls, f.name): f.name for f in dataclasses.fields(cls)}
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
@@ -569,8 +683,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
 
 
 def section_dict(section: Any) -> dict[str, Any]:
-    """A params section as a plain dict (for logging to MLflow, fingerprints, metrics)."""
-    return dataclasses.asdict(section)
+    """A params section as a plain dict of params.yaml keys (for MLflow and metrics)."""
+    return {yaml_name(type(section), k): v for k, v in dataclasses.asdict(section).items()}
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -592,6 +706,8 @@ def _section(obj: Any) -> str:
         IngestConfig: "ingest", FilterConfig: "filter", DedupConfig: "dedup",
         MixConfig: "mix", TokenizerConfig: "tokenizer", ShardsConfig: "shards",
         ModelConfig: "model", TrainConfig: "train", EvaluateConfig: "evaluate",
+        SftDataConfig: "sft_data", SftConfig: "sft", EvaluatePostConfig: "evaluate_post",
+        LoraConfig: "lora",
     }.get(type(obj), type(obj).__name__)
 
 

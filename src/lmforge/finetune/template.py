@@ -37,14 +37,13 @@ from dataclasses import dataclass
 
 from sentencepiece import sentencepiece_model_pb2 as model_pb2
 
+from lmforge.config import CHAT_MARKERS
 from lmforge.errors import InputError
 from lmforge.finetune.records import ASSISTANT, ROLES, SYSTEM, USER, ReadResult, Turn
 from lmforge.tokenizer import Tokenizer
 
-SYSTEM_MARKER, USER_MARKER, ASSISTANT_MARKER, END_MARKER = (
-    "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
-# The tokens to reserve when training the tokenizer, in id order (4, 5, 6, 7).
-CHAT_MARKERS = (SYSTEM_MARKER, USER_MARKER, ASSISTANT_MARKER, END_MARKER)
+# The tokens the tokenizer reserves (tokenizer.reserved_tokens), in id order (4-7).
+SYSTEM_MARKER, USER_MARKER, ASSISTANT_MARKER, END_MARKER = CHAT_MARKERS
 ROLE_MARKERS = {SYSTEM: SYSTEM_MARKER, USER: USER_MARKER, ASSISTANT: ASSISTANT_MARKER}
 
 # Reasons a conversation is rejected when rendered.
