@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from lmforge.chat import add_chat_parser
 from lmforge.data.filter_cli import add_filter_parser
 from lmforge.errors import InputError, LmforgeError
 from lmforge.export import add_export_parser, add_import_parser
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None)
     g.set_defaults(func=cmd_generate)
 
+    add_chat_parser(sub)
     add_export_parser(sub)
     add_import_parser(sub)
     add_inspect_parser(sub)

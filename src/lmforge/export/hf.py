@@ -6,6 +6,12 @@ Our model dir (``models/final``) holds ``model.safetensors``, ``config.json`` an
 ``generation_config.json`` and tokenizer files. The weights are the same tensors under
 other names, so both directions are exact.
 
+A model whose tokenizer carries the chat markers (a fine-tuned one) is exported as a chat
+model: tokenizer_config.json holds ``chat_template`` (so ``apply_chat_template`` gives our
+``generation_prompt`` ids), the markers are special tokens, and ``eos_token_id`` in
+config.json and generation_config.json lists ``<|end|>`` before EOS, so ``generate``
+stops at the end of the assistant's turn.
+
 Both commands write a marker file (``.lmforge-export``) into their output folder, and
 replace an existing folder only when it is empty or holds that marker: a folder the user
 made, or the train stage's ``models/final``, is never deleted unless they pass --force.
@@ -29,9 +35,11 @@ from lmforge.errors import InputError
 from lmforge.export.hf_config import from_hf_config, to_hf_config
 from lmforge.export.hf_names import our_name, to_hf_state
 from lmforge.export.hf_tokenizer import TOKENIZER_MODEL, read_proto, write_hf_tokenizer
+from lmforge.finetune.template import CHAT_TEMPLATE, END_MARKER, marker_ids
 from lmforge.io import atomic_dir, write_json
 from lmforge.model.llama import Llama
 from lmforge.model.saved import CONFIG, WEIGHTS, load_model, model_state, save_model
+from lmforge.tokenizer import Tokenizer
 
 HF_INDEX = "model.safetensors.index.json"
 # Written by export and import alike: the one proof that a folder is ours to replace.
@@ -55,20 +63,44 @@ def export_hf(model_dir: str | Path, out_dir: str | Path, *, force: bool = False
         raise InputError(f"{sp_path}: does not match the tokenizer the model was trained with "
                          f"(sha256 {want[:12]})")
     special = config.get("special_ids") or {}
+    end_id = _chat_end_id(sp_path)
     state = to_hf_state(model_state(model))
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    hf_config = to_hf_config(model.config, model.vocab_size, special, dtype)
+    if end_id is not None:  # a chat model: generation stops at <|end|> (or EOS)
+        hf_config["eos_token_id"] = _eos_ids(special, end_id)
     with atomic_dir(out_dir) as tmp:
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        write_json(tmp / CONFIG, to_hf_config(model.config, model.vocab_size, special, dtype))
-        write_json(tmp / "generation_config.json", _generation_config(special))
-        write_hf_tokenizer(sp_path, tmp, special, model.config.seq_len)
+        write_json(tmp / CONFIG, hf_config)
+        write_json(tmp / "generation_config.json", _generation_config(special, end_id))
+        write_hf_tokenizer(sp_path, tmp, special, model.config.seq_len,
+                           chat_template=CHAT_TEMPLATE if end_id is not None else None)
         _write_marker(tmp, "export hf", model_dir)
     return out_dir
 
 
-def _generation_config(special: dict[str, int]) -> dict[str, Any]:
-    ids = {f"{k}_token_id": special[k] for k in ("bos", "eos", "pad")
-           if special.get(k, -1) >= 0}
+def _chat_end_id(sp_path: Path) -> int | None:
+    """The ``<|end|>`` id when the tokenizer carries the chat template's markers, else None.
+
+    A tokenizer without them (a base model's) is exported as it always was.
+    """
+    try:
+        return marker_ids(Tokenizer.load(sp_path))[END_MARKER]
+    except InputError:
+        return None
+
+
+def _eos_ids(special: dict[str, int], end_id: int) -> list[int]:
+    """A chat model's stop ids: ``<|end|>`` first, then the tokenizer's EOS if it has one."""
+    eos = special.get("eos", -1)
+    return [end_id] + ([eos] if eos is not None and eos >= 0 and eos != end_id else [])
+
+
+def _generation_config(special: dict[str, int], end_id: int | None = None) -> dict[str, Any]:
+    ids: dict[str, Any] = {f"{k}_token_id": special[k] for k in ("bos", "eos", "pad")
+                           if special.get(k, -1) >= 0}
+    if end_id is not None:
+        ids["eos_token_id"] = _eos_ids(special, end_id)
     return {**ids, "do_sample": True, "temperature": 0.8, "top_k": 50}
 
 

@@ -55,8 +55,12 @@ def fits_llama_tokenizer(proto: model_pb2.ModelProto) -> bool:
 
 
 def write_hf_tokenizer(sp_path: Path, out_dir: Path, special: dict[str, int],
-                       max_length: int) -> None:
-    """Write tokenizer.model, tokenizer.json, tokenizer_config.json, special_tokens_map.json."""
+                       max_length: int, chat_template: str | None = None) -> None:
+    """Write tokenizer.model, tokenizer.json, tokenizer_config.json, special_tokens_map.json.
+
+    ``chat_template`` goes into tokenizer_config.json (which transformers 4 and 5 both
+    read), not into the ``chat_template.jinja`` file that transformers 5 would save.
+    """
     try:
         from transformers import LlamaTokenizer, PreTrainedTokenizerFast
         from transformers.convert_slow_tokenizer import SpmConverter
@@ -93,6 +97,8 @@ def write_hf_tokenizer(sp_path: Path, out_dir: Path, special: dict[str, int],
     config.update(tokenizer_class="LlamaTokenizer" if llama else "PreTrainedTokenizerFast",
                   add_bos_token=False, add_eos_token=False, legacy=False,
                   add_prefix_space=dummy_prefix)
+    if chat_template is not None:
+        config["chat_template"] = chat_template
     write_json(config_path, config)
     write_json(out_dir / "special_tokens_map.json",
                {**tokens, "additional_special_tokens": reserved} if reserved else tokens)
