@@ -19,6 +19,7 @@ from lmforge.evaluate.scoring import WEIGHTING
 from lmforge.evaluate.tracking import log_to_mlflow
 from lmforge.io import write_json, write_text
 from lmforge.model import load_model
+from lmforge.shards.format import file_sha256
 from lmforge.shards.loader import ShardSet
 from lmforge.stage import run_stage
 from lmforge.tokenizer import Tokenizer
@@ -46,6 +47,8 @@ def main(params: Params) -> None:
         d["mix_weight_bytes"] = mixture.get(name, {}).get("bytes", 0.0)
     headline = val["mix_weighted"]
     results: dict = {"loss": headline["loss"], "bits_per_byte": headline["bits_per_byte"],
+                     # Which model these figures belong to (evaluate_post checks it).
+                     "model_sha256": file_sha256(FINAL / "model.safetensors"),
                      "weighting": {"headline": "loss and bits_per_byte are val.mix_weighted",
                                    **WEIGHTING},
                      "val": val}

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lmforge.config import Params, load_params
+from lmforge.config import Params, load_params, yaml_keys
 
 REPO = Path(__file__).resolve().parents[1]
 # In-repo top-level packages and the folder each lives in.
@@ -59,6 +59,13 @@ NON_OUTPUT_KEYS: dict[str, dict[str, str]] = {
         # Runs before training on its own model, before the seed is set.
         "self_check": "pre-flight check",
     },
+    # Fine-tuning's knobs are train's: the same reasons.
+    "sft": {k: v for k, v in {
+        "log_every": "logging cadence", "eval_every": "val-loss cadence",
+        "sample_every": "sampling cadence", "sample_prompts": "MLflow samples only",
+        "ckpt_every": "checkpoint cadence", "light_every": "model-only snapshot cadence",
+        "keep_last": "checkpoint pruning", "max_bad_steps": "abort threshold",
+        "self_check": "pre-flight check"}.items()},
     # Everything else changes outputs, kernels and thread counts included: torch splits
     # CPU reductions by thread (train.num_threads), unigram tokenizers depend on
     # sentencepiece's threads (tokenizer.num_threads), and compile, fused_loss,
@@ -66,7 +73,9 @@ NON_OUTPUT_KEYS: dict[str, dict[str, str]] = {
 }
 
 # The params sections a stage reads; its param deps come from these only.
-STAGE_SECTIONS = {"train": {"model", "train"}}
+STAGE_SECTIONS = {"train": {"model", "train"},
+                  # The forgetting pass scores like evaluate (evaluate.max_batches).
+                  "evaluate_post": {"evaluate_post", "evaluate"}}
 
 
 # --------------------------------------------------------------------------- code deps
@@ -220,7 +229,8 @@ SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Params)}
 
 
 def fields_of(section: str) -> set[str]:
-    return {f.name for f in dataclasses.fields(SECTIONS[section])}
+    """The section's params.yaml keys (sft names its max_lr field ``lr``)."""
+    return set(yaml_keys(SECTIONS[section]))
 
 
 def listed_keys(stage: dict) -> set[tuple[str, str]]:

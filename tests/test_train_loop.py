@@ -719,3 +719,55 @@ def test_a_run_whose_outputs_cannot_be_written_ends_failed_in_mlflow(tmp_path, m
     assert run.info.status == "FAILED"
     (recorded,) = runs.list_runs(paths.checkpoints)  # lmforge checkpoints says so too
     assert recorded.record["status"] == "failed" and recorded.status == "interrupted"
+
+
+def test_lora_run_trains_only_adapters_and_resumes_exactly(inputs, tmp_path):
+    from lmforge.config import LoraConfig
+    from lmforge.model.lora import lora_modules, merge_lora
+    from lmforge.model.saved import save_model
+
+    base = run(tiny_params(max_steps=6, eval_every=0), inputs, tmp_path / "a")
+    saved = tmp_path / "base"
+    save_model(base.model, saved, tokenizer_sha256="t" * 64)
+    lora = LoraConfig(rank=4, alpha=8.0, targets=["attn", "mlp"])
+    params = tiny_params(max_steps=8, eval_every=0, ckpt_every=4, init_from=str(saved),
+                         lora=lora, max_lr=1e-2)
+    logs: list[str] = []
+    tuned = run(params, inputs, tmp_path / "b", logs)
+    assert any("trained: LoRA" in line for line in logs)
+    adapters = lora_modules(tuned.model)
+    assert len(adapters) == 2 * 7  # 2 layers x (wq wk wv wo w1 w2 w3)
+    before = base.model.state_dict()
+    for name, tensor in tuned.model.state_dict().items():
+        plain = name.replace(".base.", ".")
+        if "lora_" not in name:  # the frozen base is untouched, to the bit
+            assert torch.equal(tensor, before[plain]), name
+    assert any(m.lora_b.abs().sum() > 0 for m in adapters.values())  # adapters trained
+    merged = merge_lora(copy.deepcopy(tuned.model))
+    x = torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        assert torch.allclose(merged(x), tuned.model.eval()(x), atol=1e-5)
+    # Killed after step 4 and resumed: the same adapters as the unbroken run.
+    run_dir = tmp_path / "b" / runs.run_id(tuned.fingerprint)
+    (run_dir / "step-000008.pt").unlink()
+    resumed = run(params, inputs, tmp_path / "b", logs)
+    assert any("resuming from" in line and "step-000004" in line for line in logs)
+    for name, tensor in tuned.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], tensor), name
+
+
+def test_replay_rows_come_from_the_second_shard_set_and_define_the_run(inputs, tmp_path):
+    data = open_data(inputs)
+    data.replay, data.replay_share = ShardSet(inputs.val_shards), 0.25
+    params = tiny_params(max_steps=4, eval_every=0)
+    with_replay = train(params, data, tmp_path / "a", "t" * 64, CPU, track=False,
+                        log=lambda _: None)
+    plain = run(params, inputs, tmp_path / "a")
+    assert with_replay.fingerprint != plain.fingerprint  # two runs, never resumed as one
+    from lmforge.train.loop import open_loader
+
+    loader = open_loader(data, 32, 4, 0, CPU, doc_mask=False)
+    val_windows = {tuple(r) for r in ShardSet(inputs.val_shards).windows(
+        np.arange(0, ShardSet(inputs.val_shards).num_tokens - 33, 1), 32).tolist()}
+    rows = [tuple(r) for _ in range(5) for r in loader.next_batch()[0].tolist()]
+    assert sum(r in val_windows for r in rows) == 5  # 25 % of 20 rows

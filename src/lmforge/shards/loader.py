@@ -80,6 +80,12 @@ class ShardSet:
         self.doc_domains: np.ndarray = np.concatenate(domains).astype(np.int64)
         self._doc_starts: np.ndarray | None = None  # built on first use
 
+    def target_tokens(self) -> int:
+        """Tokens that are training targets: all of them, or the loss mask's ones."""
+        if not self.has_loss_mask:
+            return self.num_tokens
+        return sum(int(np.count_nonzero(m)) for m in self._masks)
+
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` of the concatenated stream as int64."""
         return self._read(self._tokens, start, stop)

@@ -23,6 +23,7 @@ from lmforge.config import Params
 from lmforge.errors import InputError, LmforgeError
 from lmforge.model.generate import generate
 from lmforge.model.llama import Llama
+from lmforge.model.lora import apply_lora, trainable_parameters
 from lmforge.model.loss import IGNORE_INDEX
 from lmforge.model.saved import save_weights
 from lmforge.shards.loader import mixture_mean
@@ -33,6 +34,7 @@ from lmforge.train.distributed import DistEnv, all_gather_objects
 from lmforge.train.optim import build_optimizer
 from lmforge.train.precision import Precision, resolve_precision
 from lmforge.train.probe import probe_micro_batch
+from lmforge.train.replay import ReplayLoader
 from lmforge.train.schedule import lr_at
 from lmforge.train.telemetry import NullRun, format_duration, memory_mb, open_run, peak_flops
 from lmforge.train.warm_start import ensure_outside, warm_start, weights_sha256
@@ -46,6 +48,9 @@ class TrainData:
     val: Any
     make_loader: Callable[..., Any]  # WindowLoader(shards, seq_len, batch_size, seed, rank, ws)
     eval_batches: Callable[..., Iterable[dict]]  # eval_batches(shards, seq_len, bs, max_batches)
+    # Fine-tuning: pretraining shards whose windows fill ``replay_share`` of the rows.
+    replay: Any = None
+    replay_share: float = 0.0
 
 
 def open_shard_data(train_dir: str | Path, val_dir: str | Path) -> TrainData:
@@ -81,11 +86,12 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
           env: DistEnv, track: bool = True,
           prompts: list[tuple[str, list[int]]] | None = None,
           decode: Callable[[list[int]], str] | None = None,
-          log: Callable[[str], None] = print) -> TrainResult:
+          log: Callable[[str], None] = print, stage: str = "train") -> TrainResult:
     """Train (or resume) the run ``params`` defines; rank 0 logs and writes checkpoints.
 
     ``prompts`` are (text, token ids) pairs continued every ``train.sample_every`` steps
-    and logged as MLflow text artifacts (``decode`` turns ids back into text).
+    and logged as MLflow text artifacts (``decode`` turns ids back into text). ``stage``
+    names the MLflow run's stage (``train`` or ``sft``).
     """
     cfg, mcfg = params.train, params.model
     device = env.device
@@ -102,6 +108,12 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     model.label_smoothing, model.z_loss = cfg.label_smoothing, cfg.z_loss
     model.fused_loss = cfg.fused_loss
     model.activation_checkpointing = cfg.activation_checkpointing
+    # Starting weights before adapters wrap the layers (a resumed run overwrites both).
+    start_note = (warm_start(model, cfg.init_from, tokenizer_sha256) if cfg.init_from
+                  else None)
+    if cfg.lora is not None:
+        lora = cfg.lora
+        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets)
     optimizer = build_optimizer(model, cfg, device)
     precision = resolve_precision(cfg.precision, device)
     scaler = precision.grad_scaler()
@@ -109,22 +121,35 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     if cfg.probe_micro_batch:
         micro_batch, accum = probe_micro_batch(model, optimizer, precision, mcfg, cfg, vocab,
                                                device, log)
-    doc_info = {"return_doc_info": True} if mcfg.doc_mask else {}
-    loader = data.make_loader(data.train, mcfg.seq_len, micro_batch, cfg.seed,
-                              rank=env.rank, world_size=env.world_size, **doc_info)
+    loader = open_loader(data, mcfg.seq_len, micro_batch, cfg.seed, env, mcfg.doc_mask)
     if cfg.init_from:  # runs prune their own old checkpoints (keep_last)
         ensure_outside(cfg.init_from, checkpoint_dir, "where runs prune their checkpoints")
     identity = ckpt.run_identity(mcfg, cfg, env.world_size, data.train.manifest,
                                  data.val.manifest, tokenizer_sha256,
                                  weights_sha256(cfg.init_from) if cfg.init_from else None)
+    if data.replay is not None and data.replay_share > 0:
+        identity["data"].append(ckpt.manifest_digest(data.replay.manifest))
     fp = ckpt.fingerprint_of(identity)
     torch.manual_seed(cfg.seed + env.rank)  # per-rank dropout streams
 
     with contextlib.ExitStack() as held:
         run_dir = _open_run_dir(checkpoint_dir, fp, identity, cfg.max_steps, env, held, log)
         return _train_run(params, data, model, optimizer, precision, scaler, loader,
-                          micro_batch, accum, run_dir, fp, tokenizer_sha256, env, track,
-                          prompts, decode, log)
+                          micro_batch, accum, run_dir, fp, start_note, env, track,
+                          prompts, decode, log, stage)
+
+
+def open_loader(data: TrainData, seq_len: int, batch_size: int, seed: int, env: DistEnv,
+                doc_mask: bool) -> Any:
+    """This rank's training batches: the train shards, or with replay both shard sets."""
+    doc_info = {"return_doc_info": True} if doc_mask else {}
+    if data.replay is None or data.replay_share == 0:
+        return data.make_loader(data.train, seq_len, batch_size, seed, rank=env.rank,
+                                world_size=env.world_size, **doc_info)
+    rows = [data.make_loader(shards, seq_len, 1, seed + i, rank=env.rank,
+                             world_size=env.world_size, **doc_info)
+            for i, shards in enumerate((data.train, data.replay))]
+    return ReplayLoader(*rows, data.replay_share, batch_size)
 
 
 def _open_run_dir(root: Path, fp: str, identity: dict[str, Any], max_steps: int,
@@ -145,10 +170,10 @@ def _open_run_dir(root: Path, fp: str, identity: dict[str, Any], max_steps: int,
 def _train_run(params: Params, data: TrainData, model: Llama,
                optimizer: torch.optim.Optimizer, precision: Precision,
                scaler: torch.amp.GradScaler, loader: Any, micro_batch: int, accum: int,
-               checkpoint_dir: Path, fp: str, tokenizer_sha256: str, env: DistEnv,
+               checkpoint_dir: Path, fp: str, start_note: str | None, env: DistEnv,
                track: bool, prompts: list[tuple[str, list[int]]] | None,
                decode: Callable[[list[int]], str] | None,
-               log: Callable[[str], None]) -> TrainResult:
+               log: Callable[[str], None], stage: str) -> TrainResult:
     """Resume or start run ``fp`` in its own ``checkpoint_dir`` and train it to the end."""
     cfg, mcfg = params.train, params.model
     device = env.device
@@ -158,8 +183,8 @@ def _train_run(params: Params, data: TrainData, model: Llama,
         progress = _restore(state, model, optimizer, scaler, loader, env)
         log(f"train: resuming from {state['path']} at step {progress.step}/{cfg.max_steps}")
         del state
-    elif cfg.init_from:
-        log(warm_start(model, cfg.init_from, tokenizer_sha256))
+    elif start_note:
+        log(start_note)
     step, tokens_seen, skipped, history = (progress.step, progress.tokens_seen,
                                            progress.skipped, progress.history)
 
@@ -178,12 +203,15 @@ def _train_run(params: Params, data: TrainData, model: Llama,
     fallback = ((copy.deepcopy(loader.state_dict()), ckpt.capture_rng(device))
                 if compiled else None)
 
-    run = open_run(params, progress.run_id) if (track and env.is_main) else NullRun()
+    run = open_run(params, progress.run_id, stage) if (track and env.is_main) else NullRun()
     tokens_per_step = micro_batch * mcfg.seq_len * accum * env.world_size
     flops_per_step = model.flops_per_token() * tokens_per_step
     peak = peak_flops(device, precision.name)
     if env.is_main:
-        log(f"train: {model.num_params():,} parameters, {tokens_per_step:,} tokens/step, "
+        trained = trainable_parameters(model)
+        log(f"train: {model.num_params():,} parameters"
+            + (f" ({trained:,} trained: LoRA)" if cfg.lora is not None else "")
+            + f", {tokens_per_step:,} tokens/step, "
             f"{precision.name} on {device}" + (f" x{env.world_size}" if ddp else "")
             + f", {how}")
     t0 = time.perf_counter()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
+import time
 from typing import Any
 
 import torch
@@ -95,8 +97,12 @@ class GuardedRun:
         self._guard("finish", self.run.finish, status)
 
 
-def open_run(params: Params, run_id: str | None = None) -> Any:
-    """Start (or, on resume, reopen) the MLflow run; a tracking failure never stops training."""
+def open_run(params: Params, run_id: str | None = None, stage: str = "train") -> Any:
+    """Start (or, on resume, reopen) the MLflow run; a tracking failure never stops training.
+
+    A run of another stage than ``train`` (``sft``) is named ``<experiment>-<stage>`` and
+    tagged ``lmforge.stage``, so the UI tells a fine-tuning run from its base model's.
+    """
     try:
         from lmforge.tracking import resume_run, start_run
 
@@ -105,7 +111,11 @@ def open_run(params: Params, run_id: str | None = None) -> Any:
                 return GuardedRun(resume_run(run_id))
             except Exception:  # the store was reset since: open a new run instead
                 pass
-        return GuardedRun(start_run(params))
+        if stage == "train":
+            return GuardedRun(start_run(params))
+        base = os.environ.get("DVC_EXP_NAME") or time.strftime("%Y%m%d-%H%M%S")
+        return GuardedRun(start_run(params, run_name=f"{base}-{stage}",
+                                    tags={"lmforge.stage": stage}))
     except Exception as e:  # an unreachable store must not cost a training run
         print(f"train: MLflow tracking is off ({type(e).__name__}: {e})", file=sys.stderr)
         return NullRun()

@@ -1,0 +1,147 @@
+"""The sft stage end to end: fine-tune ``sft.init_from`` on data/sft with THE training loop.
+
+What differs from pretraining is data and trainable parameters only: masked targets
+(assistant tokens) in packed rows, optional replay rows from the pretraining shards
+(``sft.replay``), and optional LoRA adapters (``sft.lora``). Checkpoints, exact resume,
+precision, DDP, the non-finite guard and MLflow are the loop's. The model is saved
+merged (``models/sft``: a plain model every tool reads) and, with LoRA, the adapter too
+(``models/sft/adapter``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lmforge.config import ModelConfig, Params
+from lmforge.errors import InputError, LmforgeError
+from lmforge.io import write_json, write_text
+from lmforge.model.lora import adamw_state_bytes, merge_lora, save_adapter, trainable_parameters
+from lmforge.model.saved import load_model, save_model
+from lmforge.shards.format import file_sha256
+from lmforge.train import distributed
+from lmforge.train.loop import TrainData, TrainResult, open_shard_data, train
+from lmforge.train.pipeline import VAL_TSV_COLUMNS, history_tsv, special_ids
+from lmforge.train.warm_start import ensure_outside
+
+
+@dataclass
+class SftPaths:
+    """Inputs and outputs of the sft stage, relative to the repo root."""
+
+    train_shards: Path = Path("data/sft/train")
+    val_shards: Path = Path("data/sft/val")
+    replay_shards: Path = Path("data/shards/train")
+    tokenizer: Path = Path("models/tokenizer/tokenizer.model")
+    checkpoints: Path = Path("models/checkpoints")
+    final: Path = Path("models/sft")
+    metrics: Path = Path("metrics/sft.json")
+    plots: Path = Path("plots/sft.tsv")
+    val_plots: Path = Path("plots/sft_val.tsv")
+
+
+def loop_params(params: Params, base: ModelConfig, seq_len: int) -> Params:
+    """The params the loop trains with: the base model's architecture, ``sft``'s knobs.
+
+    Context length and document masking come from the packed rows and ``sft.doc_mask``
+    (RoPE has no learned positions, so a base model trained at another length is fine).
+    """
+    model = dataclasses.replace(base, seq_len=seq_len, doc_mask=params.sft.doc_mask)
+    return dataclasses.replace(params, model=model, train=params.sft)
+
+
+def open_sft_data(params: Params, paths: SftPaths, tokenizer_sha: str) -> TrainData:
+    """The fine-tuning shard sets (and the replay shards), checked against the tokenizer."""
+    data = open_shard_data(paths.train_shards, paths.val_shards)
+    if params.sft.replay > 0:
+        from lmforge.shards.loader import ShardSet
+
+        data.replay, data.replay_share = ShardSet(paths.replay_shards), params.sft.replay
+    for where, shards in ((paths.train_shards, data.train), (paths.val_shards, data.val),
+                          (paths.replay_shards, data.replay)):
+        if shards is not None and shards.tokenizer_sha256 != tokenizer_sha:
+            raise InputError(f"{where}: tokenized with tokenizer {shards.tokenizer_sha256[:12]}"
+                             f", but {paths.tokenizer} is {tokenizer_sha[:12]}; rerun the "
+                             "sft_data / shards stage")
+    if not data.train.has_loss_mask:
+        raise InputError(f"{paths.train_shards}: no loss mask (written by the sft_data stage?)")
+    return data
+
+
+def base_config(init_from: str, tokenizer_sha: str) -> ModelConfig:
+    """The architecture of the model fine-tuning starts from (checked by warm start too)."""
+    model, config = load_model(init_from)
+    theirs = config.get("tokenizer_sha256")
+    if theirs and theirs != tokenizer_sha:
+        raise InputError(f"sft.init_from: {init_from} was trained with tokenizer "
+                         f"{theirs[:12]}, the fine-tuning data uses {tokenizer_sha[:12]}")
+    return model.config
+
+
+def run_sft_stage(params: Params, paths: SftPaths, module: str = "stages.sft") -> None:
+    """Fine-tune as params say; with ``sft.nproc > 1`` re-launch through torchrun first."""
+    cfg = params.sft
+    if cfg.nproc > 1 and not distributed.under_torchrun():
+        code = distributed.relaunch_under_torchrun(cfg.nproc, module)
+        if code:
+            raise LmforgeError(f"sft: torchrun exited with status {code}")
+        return
+    ensure_outside(cfg.init_from, paths.final, "an output of this stage")
+    env = distributed.setup(cfg.device, cfg.num_threads)
+    try:
+        if not paths.tokenizer.is_file():
+            raise InputError(f"{paths.tokenizer}: no tokenizer (run the tokenizer stage)")
+        tokenizer_sha = file_sha256(paths.tokenizer)
+        data = open_sft_data(params, paths, tokenizer_sha)
+        seq_len = int(data.train.manifest.get("seq_len", 0)) or params.sft_data.seq_len
+        run_params = loop_params(params, base_config(cfg.init_from, tokenizer_sha), seq_len)
+        result = train(run_params, data, paths.checkpoints, tokenizer_sha, env, stage="sft")
+        if env.is_main:
+            try:
+                write_sft_outputs(result, params, data, paths, tokenizer_sha)
+            except BaseException:
+                from lmforge.tracking import end_run
+                from lmforge.train.runs import run_dir, update_run
+
+                end_run(result.run_id, "FAILED")
+                update_run(run_dir(paths.checkpoints, result.fingerprint), status="failed")
+                raise
+    finally:
+        distributed.teardown()
+
+
+def write_sft_outputs(result: TrainResult, params: Params, data: TrainData, paths: SftPaths,
+                      tokenizer_sha: str) -> None:
+    """models/sft (merged; + adapter/ with LoRA), metrics/sft.json, plots/sft*.tsv."""
+    model = result.model
+    trained = trainable_parameters(model)
+    lora = params.sft.lora is not None
+    merged = merge_lora(copy.deepcopy(model)) if lora else model
+    save_model(merged, paths.final, paths.tokenizer, special_ids=special_ids(paths.tokenizer),
+               tokenizer_sha256=tokenizer_sha, fingerprint=result.fingerprint,
+               init_from=params.sft.init_from)
+    if lora:
+        save_adapter(model, paths.final / "adapter",
+                     {"base_model_sha256": file_sha256(Path(params.sft.init_from)
+                                                       / "model.safetensors")
+                      if Path(params.sft.init_from).is_dir() else None})
+    write_json(paths.final / "run.json", {"mlflow_run_id": result.run_id})
+    write_json(paths.metrics, {**result.metrics, **sft_facts(params, data, trained)})
+    write_text(paths.plots, history_tsv(result.history))
+    write_text(paths.val_plots, history_tsv(
+        [r for r in result.history if r.get("val_loss") is not None], VAL_TSV_COLUMNS))
+
+
+def sft_facts(params: Params, data: TrainData, trained: int) -> dict[str, Any]:
+    """What metrics/sft.json adds to the loop's figures: what trained, and the replay mix."""
+    share = params.sft.replay
+    target_share = data.train.target_tokens() / data.train.num_tokens
+    # A replay row is all targets; a fine-tuning row only its answers' tokens.
+    replay_loss_share = share / (share + (1 - share) * target_share) if share else 0.0
+    return {"mode": "lora" if params.sft.lora is not None else "full",
+            "trainable_params": trained, "optimizer_state_bytes": adamw_state_bytes(trained),
+            "replay_row_share": share, "replay_loss_token_share": round(replay_loss_share, 4)}
+
