@@ -57,11 +57,10 @@ def task_scores(model: torch.nn.Module, tok: Tokenizer, params: Params, device: 
                 ) -> dict[str, Any]:
     """Response loss and exact match on the test split; MC accuracy on test_mc."""
     cfg = params.evaluate_post
-    out = {"responses": score_responses(model, tok, read_task_records(cfg.test),
-                                        cfg.batch_size, device)}
+    out = score_responses(model, tok, read_task_records(cfg.test), cfg.batch_size, device)
     if cfg.test_mc:
-        out["choices"] = score_choices(model, tok, read_task_records(cfg.test_mc),
-                                       cfg.batch_size, device)
+        out.update(score_choices(model, tok, read_task_records(cfg.test_mc), cfg.batch_size,
+                                 device))
     return out
 
 

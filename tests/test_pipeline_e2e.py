@@ -22,6 +22,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "data" / "raw" / "demo"
+INSTRUCTIONS = REPO / "data" / "instructions" / "demo"
 DOCS_PER_DOMAIN = 40
 VOCAB = 2000
 
@@ -39,6 +40,10 @@ def tiny_params() -> dict:
                            eval_every=12, eval_batches=2, log_every=4, compile=False)
     params["evaluate"].update(max_batches=0, batch_size=8, train_batches=2,
                               max_new_tokens=8, prompts=["It is a truth", "床前明月光"])
+    params["sft_data"].update(seq_len=128, val_fraction=0.1)
+    params["sft"].update(max_steps=6, micro_batch_size=4, warmup=2, eval_every=3,
+                         eval_batches=2, log_every=2, ckpt_every=3, compile=False, replay=0.25)
+    params["evaluate_post"].update(batch_size=8, max_new_tokens=8, prompts=["Hi"])
     return params
 
 
@@ -47,6 +52,16 @@ def run(cmd: list[str], cwd: Path, env: dict[str, str]) -> str:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{out[-4000:]}"
     return out
+
+
+def slice_instructions(dest: Path) -> None:
+    """The first records of the demo instruction set's train, test and test_mc files."""
+    for name, n in (("train", 300), ("test", 60), ("test_mc", 20)):
+        with gzip.open(INSTRUCTIONS / f"{name}.jsonl.gz", "rt", encoding="utf-8") as f:
+            lines = [line for _, line in zip(range(n), f, strict=False)]
+        dest.mkdir(parents=True, exist_ok=True)
+        with gzip.open(dest / f"{name}.jsonl.gz", "wt", encoding="utf-8") as f:
+            f.writelines(lines)
 
 
 def slice_demo(dest: Path) -> None:
@@ -84,6 +99,7 @@ def pipeline(tmp_path_factory, env) -> tuple[Path, str]:
     shutil.copytree(REPO / "src", root / "src",
                     ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     slice_demo(root / "data" / "raw" / "demo")
+    slice_instructions(root / "data" / "instructions" / "demo")
     (root / "params.yaml").write_text(yaml.safe_dump(tiny_params(), sort_keys=False),
                                       encoding="utf-8")
     run(["git", "init", "-q"], root, env)
@@ -106,10 +122,11 @@ def load(path: Path) -> dict:
 
 def test_all_stages_ran(pipeline):
     root, out = pipeline
+    metrics = {"evaluate": "eval", "evaluate_post": "post"}
     for stage in ("ingest", "filter", "dedup", "mix", "tokenizer", "shards", "train",
-                  "evaluate"):
+                  "evaluate", "sft_data", "sft", "evaluate_post"):
         assert f"Running stage '{stage}'" in out
-        assert (root / "metrics" / f"{stage if stage != 'evaluate' else 'eval'}.json").is_file()
+        assert (root / "metrics" / f"{metrics.get(stage, stage)}.json").is_file()
     status = subprocess.run(["dvc", "status"], cwd=root, capture_output=True, text=True,
                             env=os.environ | {"PATH": f"{Path(sys.executable).parent}:"
                                               f"{os.environ['PATH']}"})
@@ -225,3 +242,44 @@ def test_dvc_plots_page_carries_every_curve(pipeline, env):
         assert name in page, name
     for domain in load(root / "metrics" / "ingest.json")["domains"]:
         assert domain in page  # the per-domain bits-per-byte bars have their data inline
+
+
+def test_post_training_outputs(pipeline):
+    root, _ = pipeline
+    data = load(root / "metrics" / "sft_data.json")
+    c = data["counts"]
+    assert c["in"] == 300 and c["kept"] + sum(c["rejected"].values()) == 300
+    assert data["train"]["examples"] + data["val"]["examples"] == c["kept"]
+    assert 0 < data["train"]["target_share"] < 1
+    sft = load(root / "metrics" / "sft.json")
+    assert sft["steps"] == 6 and sft["mode"] == "full" and sft["replay_row_share"] == 0.25
+    assert sft["replay_loss_token_share"] > 0.25  # replay rows are all targets
+    for name in ("model.safetensors", "config.json", "tokenizer.model", "run.json"):
+        assert (root / "models" / "sft" / name).is_file(), name
+    post = load(root / "metrics" / "post.json")
+    for model in ("base", "sft"):
+        assert math.isfinite(post["tasks"][model]["response"]["overall"]["loss"])
+        assert post["tasks"][model]["multiple_choice"]["overall"]["n"] == 20
+    domains = set(load(root / "metrics" / "ingest.json")["domains"])
+    rows = {r["domain"] for r in post["forgetting"]["bits_per_byte"]}
+    assert domains | {"mix_weighted", "token_weighted"} == rows
+    # Fine-tuning moved the model, so its response loss differs from the base's.
+    assert post["tasks"]["sft"]["response"]["overall"]["loss"] != \
+        post["tasks"]["base"]["response"]["overall"]["loss"]
+    for name in ("forgetting.md", "post_tasks.md", "post_samples.md"):
+        assert (root / "metrics" / name).stat().st_size > 100, name
+
+
+def test_exp_run_sft_param_reruns_only_post_training(pipeline, env):
+    root, _ = pipeline
+    out = run(["dvc", "exp", "run", "-S", "sft.lr=5e-4"], root, env)
+    for stage in ("ingest", "filter", "dedup", "mix", "tokenizer", "shards", "train",
+                  "evaluate", "sft_data"):
+        assert f"Running stage '{stage}'" not in out, out[-3000:]
+    assert "Running stage 'sft'" in out and "Running stage 'evaluate_post'" in out
+    out = run(["dvc", "exp", "run", "-S", "sft_data.val_fraction=0.2"], root, env)
+    for stage in ("ingest", "filter", "dedup", "mix", "tokenizer", "shards", "train",
+                  "evaluate"):
+        assert f"Running stage '{stage}'" not in out, out[-3000:]
+    for stage in ("sft_data", "sft", "evaluate_post"):
+        assert f"Running stage '{stage}'" in out, out[-3000:]

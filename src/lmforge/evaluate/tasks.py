@@ -187,11 +187,12 @@ def _str_list(value: Any, key: str, where: str) -> list[str]:
 
 @dataclass
 class SequenceScores:
-    """Per sequence: summed nats of the scored tokens, their count, and ``greedy``:
-    whether every scored token is the argmax of the logits before it."""
+    """Per sequence: summed nats of the scored tokens, their count, ``misses``: how many
+    are not the argmax of the logits before them, and ``greedy``: whether none is."""
 
     nats: np.ndarray
     tokens: np.ndarray
+    misses: np.ndarray
     greedy: np.ndarray
 
 
@@ -254,7 +255,7 @@ def score_sequences(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
     """
     n = len(sequences)
     nats, tokens = np.zeros(n), np.zeros(n, dtype=np.int64)
-    greedy = np.zeros(n, dtype=bool)
+    misses = np.zeros(n, dtype=np.int64)
     if any(not 0 < s < len(seq) for s, seq in zip(starts, sequences, strict=True)):
         raise ValueError("each start must be past the first token and within its sequence")
     device = torch.device(device)
@@ -266,11 +267,10 @@ def score_sequences(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
             rows = order[first:first + batch_size]
             x, y = _batch([sequences[i] for i in rows], [starts[i] for i in rows])
             b_nats, b_tokens, b_misses = _score_batch(model, x.to(device), y.to(device))
-            nats[rows], tokens[rows] = b_nats, b_tokens
-            greedy[rows] = b_misses == 0
+            nats[rows], tokens[rows], misses[rows] = b_nats, b_tokens, b_misses
     finally:
         model.train(was_training)
-    return SequenceScores(nats, tokens, greedy)
+    return SequenceScores(nats, tokens, misses, misses == 0)
 
 
 def _batch(seqs: list[Sequence[int]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,8 +361,10 @@ def _by_task(tasks: list[str], figures: Callable[[np.ndarray], dict[str, Any]]
             "tasks": {t: figures(names == t) for t in sorted(set(tasks))}}
 
 
-def _loss_figures(nats: np.ndarray, tokens: np.ndarray, nbytes: np.ndarray) -> dict[str, Any]:
-    """Pooled response loss and bits per byte, with standard errors by record."""
+def _loss_figures(nats: np.ndarray, tokens: np.ndarray, nbytes: np.ndarray,
+                  right: np.ndarray) -> dict[str, Any]:
+    """Pooled response loss, bits per byte and token accuracy (the share of reply tokens
+    that are the teacher-forced argmax), with standard errors by record."""
     loss = nats.sum() / tokens.sum() if tokens.sum() else float("nan")
     return {
         "n": len(nats), "tokens": int(tokens.sum()), "bytes": int(nbytes.sum()),
@@ -370,6 +372,8 @@ def _loss_figures(nats: np.ndarray, tokens: np.ndarray, nbytes: np.ndarray) -> d
         "bits_per_byte": (float(nats.sum() / math.log(2) / nbytes.sum())
                           if nbytes.sum() else float("nan")),
         "bits_per_byte_stderr": ratio_stderr(nats, nbytes) / math.log(2),
+        "token_accuracy": float(right.sum() / tokens.sum()) if tokens.sum() else float("nan"),
+        "token_accuracy_stderr": ratio_stderr(right.astype(np.float64), tokens),
     }
 
 
@@ -418,9 +422,10 @@ def score_responses(model: torch.nn.Module, tokenizer: Tokenizer,
                                for a in dict.fromkeys(rec.answers)])
     scores = score_sequences(model, seqs.ids, seqs.starts, batch_size, device)
     nats, tokens = scores.nats[reply_idx], scores.tokens[reply_idx]
+    right = tokens - scores.misses[reply_idx]
     nbytes = np.array([len(rec.reply.encode("utf-8")) for rec in records], dtype=np.int64)
     response = _by_task([rec.task for rec in records],
-                        lambda m: _loss_figures(nats[m], tokens[m], nbytes[m]))
+                        lambda m: _loss_figures(nats[m], tokens[m], nbytes[m], right[m]))
     hits = np.array([scores.greedy[idx].any() for idx in answer_idx], dtype=bool)
     exact_tasks = [rec.task for rec in records if rec.task in EXACT_TASKS]
     exact = _by_task(exact_tasks, lambda m: _exact_figures(hits[m]))
@@ -541,6 +546,9 @@ def tasks_markdown(base: dict[str, Any], tuned: dict[str, Any]) -> str:
     lines += _compare_table("Response loss (nats per reply token; lower is better)",
                             base.get("response"), tuned.get("response"), "loss", 4,
                             extra=("bits_per_byte",))
+    lines += _compare_table("Token accuracy (share of reply tokens that are the greedy "
+                            "choice given the reference so far; higher is better)",
+                            base.get("response"), tuned.get("response"), "token_accuracy", 3)
     lines += _compare_table("Multiple choice (accuracy by log-likelihood; higher is better)",
                             base.get("multiple_choice"), tuned.get("multiple_choice"),
                             "acc", 3, extra=("acc_norm",), shared=("chance",))
