@@ -9,13 +9,15 @@
 - Chat samples: both models answer ``evaluate_post.prompts`` and one test question per
   task through the chat template.
 
-Writes metrics/post.json, metrics/forgetting.md, metrics/post_tasks.md and
-metrics/post_samples.md, and logs them to the sft run in MLflow.
+Writes metrics/post.json (headline figures), metrics/post_detail.json (all of them),
+metrics/forgetting.md, metrics/post_tasks.md and metrics/post_samples.md, and logs them
+to the sft run in MLflow.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -125,7 +127,8 @@ def main(params: Params) -> None:
                                params.evaluate_post.max_new_tokens)
     results = {"tasks": scores, "forgetting": rows, "val_sft": tuned_val,
                "seconds": round(time.perf_counter() - started, 2)}
-    write_json("metrics/post.json", results)
+    write_json("metrics/post.json", finite(headline(results)))
+    write_json("metrics/post_detail.json", finite(results))
     write_text("metrics/forgetting.md", forgetting_md)
     write_text("metrics/post_tasks.md", tasks_md)
     write_text("metrics/post_samples.md", samples)
@@ -135,17 +138,55 @@ def main(params: Params) -> None:
     print(forgetting_md)
 
 
+def headline(results: dict[str, Any]) -> dict[str, Any]:
+    """metrics/post.json: the figures `dvc metrics diff` should show, per model.
+
+    Overall task scores with their standard errors, and the forgetting (fine-tuned minus
+    base bits-per-byte) per domain and mixture-weighted; per-task figures and the rest
+    are in metrics/post_detail.json.
+    """
+    out: dict[str, Any] = {}
+    for model, s in results["tasks"].items():
+        r, e = s["response"]["overall"], s["exact_match"]["overall"]
+        fig = {"response_loss": r["loss"], "response_loss_stderr": r["loss_stderr"],
+               "token_accuracy": r["token_accuracy"],
+               "token_accuracy_stderr": r["token_accuracy_stderr"],
+               "exact_match": e.get("exact_match"),
+               "exact_match_stderr": e.get("exact_match_stderr")}
+        if "multiple_choice" in s:
+            m = s["multiple_choice"]["overall"]
+            fig.update(mc_acc=m["acc"], mc_acc_stderr=m["acc_stderr"], mc_chance=m["chance"])
+        out[model] = fig
+    out["forgetting_bits_per_byte"] = {r["domain"]: r["change"]
+                                       for r in results["forgetting"]["bits_per_byte"]}
+    out["seconds"] = results["seconds"]
+    return out
+
+
+def finite(obj: Any) -> Any:
+    """NaN and infinities as null: JSON has no NaN, and strict readers refuse it."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [finite(v) for v in obj]
+    return obj
+
+
 def flat_metrics(results: dict[str, Any]) -> dict[str, float]:
     """The headline figures as MLflow metrics, named by model and what they average."""
     out: dict[str, float] = {}
     for model, s in results["tasks"].items():
         for part, section in s.items():
             for key, value in section.get("overall", {}).items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if (isinstance(value, (int, float)) and not isinstance(value, bool)
+                        and math.isfinite(value)):
                     out[f"post/{model}_{part}_{key}"] = float(value)
     for fig, rows in results["forgetting"].items():
         for r in rows:
-            out[f"post_forgetting/{fig}_change/{r['domain']}"] = float(r["change"])
+            if math.isfinite(r["change"]):
+                out[f"post_forgetting/{fig}_change/{r['domain']}"] = float(r["change"])
     return out
 
 
@@ -159,7 +200,7 @@ def log_to_mlflow(results: dict[str, Any], texts: dict[str, str], params: Params
         return
     with open_eval_run(run_id, params) as run:
         run.log_metrics(flat_metrics(results), step=0)
-        run.log_dict(results, "post/post.json")
+        run.log_dict(finite(results), "post/post_detail.json")
         for name, text in texts.items():
             run.log_text(text, f"post/{name}")
         if run.run_id == run_id:  # a later evaluation of this model nests instead

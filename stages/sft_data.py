@@ -1,96 +1,20 @@
 """DVC stage ``sft_data``: instruction records -> data/sft/{train,val} masked, packed shards.
 
-Records (chat ``messages``, Alpaca, prompt/completion; ``sft_data.sources``) are rendered
-with the chat template (loss mask on assistant tokens only), split train/val by a seeded
-hash, and packed into rows of ``sft_data.seq_len`` tokens. Every record in is kept or
-rejected with a reason (metrics/sft_data.json; the first rejects are printed).
+See ``lmforge.finetune.build``. Every record in is kept or rejected with a reason
+(metrics/sft_data.json; the first rejects are printed).
 """
 
 from __future__ import annotations
 
-import glob
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-
-from lmforge.config import Params, SftDataConfig
-from lmforge.errors import InputError
-from lmforge.finetune.pack import Packed, pack, split_by_hash
-from lmforge.finetune.records import ASSISTANT, read_examples
-from lmforge.finetune.template import END_MARKER, marker_ids, render_all
-from lmforge.io import atomic_dir, write_json
-from lmforge.shards.writer import ShardWriter
+from lmforge.config import Params
+from lmforge.finetune.build import build
+from lmforge.io import write_json
 from lmforge.stage import run_stage
-from lmforge.tokenizer import Tokenizer
 
 TOKENIZER = Path("models/tokenizer/tokenizer.model")
 OUT = Path("data/sft")
-DOMAIN = "instructions"
-SHOW_REJECTS = 10
-
-
-def source_files(patterns: list[str]) -> list[Path]:
-    """The files ``sft_data.sources`` names, in order; a pattern matching nothing is an error."""
-    files: list[Path] = []
-    for pattern in patterns:
-        matched = sorted(glob.glob(pattern, recursive=True))
-        if not matched:
-            raise InputError(f"sft_data.sources: {pattern} matches no file")
-        files.extend(Path(m) for m in matched if Path(m) not in files)
-    return files
-
-
-def write_split(directory: Path, packed: Packed, tok: Tokenizer, seq_len: int
-                ) -> dict[str, Any]:
-    """One split as a masked shard set; returns its manifest."""
-    writer = ShardWriter(directory, tok.vocab_size, tok.sha256, [DOMAIN],
-                         shard_tokens=1 << 30, loss_mask=True)
-    writer.add(packed.tokens, packed.doc_lengths, packed.doc_bytes,
-               np.zeros(len(packed.doc_lengths), np.int64), packed.mask)
-    return writer.close({"rows": packed.rows, "seq_len": seq_len})
-
-
-def split_metrics(packed: Packed, seq_len: int) -> dict[str, Any]:
-    targets = int(packed.mask.sum())
-    return {"examples": len(packed.doc_lengths), "rows": packed.rows,
-            "tokens": len(packed.tokens), "target_tokens": targets,
-            "target_share": round(targets / len(packed.tokens), 4),
-            "pad_share": round(packed.pad_tokens / (packed.rows * seq_len + 1), 4)}
-
-
-def build(cfg: SftDataConfig, tokenizer_path: Path, out: Path) -> dict[str, Any]:
-    """Read, render, split, pack and write; return metrics/sft_data.json."""
-    if not tokenizer_path.is_file():
-        raise InputError(f"{tokenizer_path}: no tokenizer (run the tokenizer stage)")
-    tok = Tokenizer.load(tokenizer_path)
-    markers = marker_ids(tok)  # a tokenizer without the chat markers: one clear line
-    result = read_examples(source_files(cfg.sources), cfg.max_record_bytes)
-    rendered = render_all(result, tok, max_tokens=cfg.seq_len)
-    if not rendered:
-        raise InputError(f"sft_data.sources: no usable example in {cfg.sources} "
-                         f"({sum(result.counts.rejected.values())} rejected)")
-    reply_bytes = [sum(len(c.encode()) for role, c in ex.turns if role == ASSISTANT)
-                   for ex in result.examples]
-    train_idx, val_idx = split_by_hash(rendered, cfg.val_fraction, cfg.seed)
-    if not val_idx or not train_idx:
-        raise InputError(f"sft_data: {len(rendered)} examples are too few to hold out "
-                         f"val_fraction={cfg.val_fraction} (train {len(train_idx)}, val "
-                         f"{len(val_idx)})")
-    pad = markers[END_MARKER]  # any id: padding is never a target
-    metrics: dict[str, Any] = {"counts": result.counts.as_dict(), "seq_len": cfg.seq_len}
-    with atomic_dir(out) as tmp:
-        for split, idx in (("train", train_idx), ("val", val_idx)):
-            packed = pack([rendered[i] for i in idx], cfg.seq_len, pad,
-                          [reply_bytes[i] for i in idx])
-            write_split(tmp / split, packed, tok, cfg.seq_len)
-            metrics[split] = split_metrics(packed, cfg.seq_len)
-    lengths = sorted(len(r.ids) for r in rendered)
-    metrics["example_tokens"] = {"mean": round(sum(lengths) / len(lengths), 1),
-                                 "median": lengths[len(lengths) // 2], "max": lengths[-1]}
-    metrics["files"] = [str(f) for f in source_files(cfg.sources)]
-    metrics["first_rejects"] = [r.message() for r in result.rejects[:SHOW_REJECTS]]
-    return metrics
 
 
 def main(params: Params) -> None:

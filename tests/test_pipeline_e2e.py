@@ -244,8 +244,12 @@ def test_dvc_plots_page_carries_every_curve(pipeline, env):
         assert domain in page  # the per-domain bits-per-byte bars have their data inline
 
 
-def test_post_training_outputs(pipeline):
+def test_post_training_outputs(pipeline, env):
     root, _ = pipeline
+    # The fine-tuning run is listed with the pretraining runs, and matched to the sft
+    # section of params.yaml, not to train's.
+    listing = run(["lmforge", "checkpoints"], root, env)
+    assert "[sft] (this is the run params.yaml trains)" in listing, listing
     data = load(root / "metrics" / "sft_data.json")
     c = data["counts"]
     assert c["in"] == 300 and c["kept"] + sum(c["rejected"].values()) == 300
@@ -256,7 +260,10 @@ def test_post_training_outputs(pipeline):
     assert sft["replay_loss_token_share"] > 0.25  # replay rows are all targets
     for name in ("model.safetensors", "config.json", "tokenizer.model", "run.json"):
         assert (root / "models" / "sft" / name).is_file(), name
-    post = load(root / "metrics" / "post.json")
+    headline = load(root / "metrics" / "post.json")
+    assert headline["sft"]["token_accuracy"] > 0 and "en_literature" in \
+        headline["forgetting_bits_per_byte"]
+    post = load(root / "metrics" / "post_detail.json")
     for model in ("base", "sft"):
         assert math.isfinite(post["tasks"][model]["response"]["overall"]["loss"])
         assert post["tasks"][model]["multiple_choice"]["overall"]["n"] == 20

@@ -80,8 +80,8 @@ def _check_tokenizer(tokenizer: Tokenizer) -> dict[str, int]:
     for marker in CHAT_MARKERS:
         token_id = sp.piece_to_id(marker)
         if sp.id_to_piece(token_id) != marker:
-            raise InputError(f"{name}: no chat marker {marker}; train it with "
-                             "reserved_tokens=CHAT_MARKERS (lmforge.tokenizer.train)")
+            raise InputError(f"{name}: no chat marker {marker}; train the tokenizer with "
+                             "the chat markers in tokenizer.reserved_tokens (the default)")
         if not sp.is_control(token_id):
             raise InputError(f"{name}: chat marker {marker} is not a control symbol, so "
                              "text containing it would encode to it")

@@ -44,11 +44,14 @@ _REQUIRED = ("format", "fingerprint", "step", "model", "optimizer", "ranks", "pr
 
 def run_identity(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int,
                  train_manifest: dict, val_manifest: dict, tokenizer_sha256: str,
-                 init_sha256: str | None = None) -> dict[str, Any]:
+                 init_sha256: str | None = None, replay_manifest: dict | None = None,
+                 stage: str = "train") -> dict[str, Any]:
     """Everything that defines a run's trajectory, as plain values (kept in run.json).
 
     ``init_sha256``: the weights ``train.init_from`` starts from, so a run never resumes
-    on top of a different starting model kept under the same path.
+    on top of a different starting model kept under the same path. ``replay_manifest``:
+    the pretraining shards fine-tuning replays; ``stage``: ``sft`` for a fine-tuning run
+    (pretraining runs record no stage, so their identities are as before).
     """
     train = {k: v for k, v in dataclasses.asdict(train_cfg).items() if k not in NON_RUN_KEYS}
     blob = {
@@ -61,6 +64,10 @@ def run_identity(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int
     }
     if init_sha256 is not None:
         blob["init_sha256"] = init_sha256
+    if replay_manifest is not None:
+        blob["data"].append(manifest_digest(replay_manifest))
+    if stage != "train":
+        blob["stage"] = stage
     return blob
 
 

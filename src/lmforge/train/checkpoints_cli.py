@@ -14,6 +14,7 @@ from lmforge.train.runs import RunInfo, list_runs, prune_runs
 from lmforge.train.telemetry import format_duration
 
 SHARDS = Path("data/shards")
+SFT = Path("data/sft")
 TOKENIZER = Path("models/tokenizer/tokenizer.model")
 
 
@@ -42,6 +43,57 @@ def current_identity(params: Params, shards: Path = SHARDS,
     if not tokenizer.is_file():
         del identity["tokenizer_sha256"]
     return identity
+
+
+def current_sft_identity(params: Params, sft: Path = SFT, shards: Path = SHARDS,
+                         tokenizer: Path = TOKENIZER) -> dict[str, Any]:
+    """The identity of the fine-tuning run params.yaml's ``sft`` section would train now.
+
+    As for pretraining, parts the workspace cannot tell are left out: the base model's
+    architecture without its config.json, the data without the sft shards.
+    """
+    from lmforge.config import ModelConfig, from_dict
+    from lmforge.shards.format import file_sha256
+    from lmforge.train.warm_start import weights_sha256
+
+    cfg = params.sft
+    manifests = [sft / split / "manifest.json" for split in ("train", "val")]
+    have_data = all(m.is_file() for m in manifests)
+    loaded = [json.loads(m.read_text(encoding="utf-8")) if have_data else {}
+              for m in manifests]
+    replay = shards / "train" / "manifest.json"
+    init = Path(cfg.init_from or "")
+    base_cfg = init / "config.json"
+    model = params.model
+    if base_cfg.is_file():
+        import dataclasses
+
+        base = from_dict(ModelConfig, json.loads(base_cfg.read_text())["model"], "model.")
+        model = dataclasses.replace(base, seq_len=int(loaded[0].get("seq_len", 0))
+                                    or params.sft_data.seq_len, doc_mask=cfg.doc_mask)
+    identity = ckpt.run_identity(
+        model, cfg, cfg.nproc, loaded[0], loaded[1],
+        file_sha256(tokenizer) if tokenizer.is_file() else "",
+        weights_sha256(init) if init.exists() else None,
+        replay_manifest=(json.loads(replay.read_text(encoding="utf-8"))
+                         if cfg.replay > 0 and replay.is_file() else None),
+        stage="sft")
+    if not have_data or (cfg.replay > 0 and not replay.is_file()):
+        del identity["data"]
+    if not tokenizer.is_file():
+        del identity["tokenizer_sha256"]
+    if not base_cfg.is_file():
+        del identity["model"]
+    return identity
+
+
+def current_identities(params: Params) -> dict[str, dict[str, Any]]:
+    """What params.yaml trains now, by stage (``train``, ``sft``)."""
+    return {"train": current_identity(params), "sft": current_sft_identity(params)}
+
+
+def _stage_of(run: RunInfo) -> str:
+    return (run.record.get("identity") or {}).get("stage", "train")
 
 
 def differences(run: dict[str, Any] | None, now: dict[str, Any]) -> list[str]:
@@ -76,28 +128,33 @@ def _plain(obj: Any) -> Any:
     return json.loads(json.dumps(obj))
 
 
-def current_runs(runs: list[RunInfo], now: dict[str, Any]) -> set[str]:
-    """Runs whose recorded identity is what params.yaml and the workspace train now.
+def current_runs(runs: list[RunInfo], now: dict[str, dict[str, Any]]) -> set[str]:
+    """Runs whose recorded identity is what params.yaml and the workspace train now
+    (``now``: by stage, from ``current_identities``).
 
     Compared field by field with run.json, not by re-hashing: a part the workspace cannot
     tell (no shards or tokenizer built yet) matches nothing, so no run is taken for the
     current one by accident.
     """
-    if "data" not in now or "tokenizer_sha256" not in now:
-        return set()
-    want = _plain(now)
-    return {r.id for r in runs if r.record.get("identity") == want}
+    want = {stage: _plain(ident) for stage, ident in now.items()
+            if "data" in ident and "tokenizer_sha256" in ident and "model" in ident}
+    return {r.id for r in runs
+            if _stage_of(r) in want and r.record.get("identity") == want[_stage_of(r)]}
 
 
-def runs_table(runs: list[RunInfo], now: dict[str, Any]) -> str:
+def runs_table(runs: list[RunInfo], now: dict[str, dict[str, Any]]) -> str:
     """One line per run: id, step, status, size, age, and how it differs from params.yaml."""
     current = current_runs(runs, now)
     lines = [f"{'run':<18} {'step':>13}  {'status':<12} {'size':>9}  {'written':>9}  "
              "differs from params.yaml"]
     for r in runs:
         steps = f"{r.last_step}/{r.record.get('max_steps') or '?'}"
+        stage = _stage_of(r)
         diff = ("(this is the run params.yaml trains)" if r.id in current
-                else "; ".join(differences(r.record.get("identity"), now)) or "(same params)")
+                else "; ".join(differences(r.record.get("identity"), now.get(stage, {})))
+                or "(same params)")
+        if stage != "train":
+            diff = f"[{stage}] {diff}"
         lines.append(f"{r.id:<18} {steps:>13}  {r.status:<12} {_size(r.size_bytes):>9}  "
                      f"{format_duration(r.age_seconds) + ' ago':>9}  {diff}")
     return "\n".join(lines)
@@ -109,7 +166,7 @@ def cmd_list(args: argparse.Namespace) -> None:
     if not runs:
         print(f"no runs under {args.dir}")
         return
-    print(runs_table(runs, current_identity(load_params(args.params))))
+    print(runs_table(runs, current_identities(load_params(args.params))))
 
 
 def cmd_prune(args: argparse.Namespace) -> None:
@@ -118,7 +175,7 @@ def cmd_prune(args: argparse.Namespace) -> None:
     keep: set[str] = set()
     for wanted in args.keep:
         if wanted == "current":
-            current = current_runs(runs, current_identity(load_params(args.params)))
+            current = current_runs(runs, current_identities(load_params(args.params)))
             if not current:
                 raise InputError(
                     "checkpoints prune --keep current: no run matches params.yaml and the "

@@ -126,9 +126,10 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
         ensure_outside(cfg.init_from, checkpoint_dir, "where runs prune their checkpoints")
     identity = ckpt.run_identity(mcfg, cfg, env.world_size, data.train.manifest,
                                  data.val.manifest, tokenizer_sha256,
-                                 weights_sha256(cfg.init_from) if cfg.init_from else None)
-    if data.replay is not None and data.replay_share > 0:
-        identity["data"].append(ckpt.manifest_digest(data.replay.manifest))
+                                 weights_sha256(cfg.init_from) if cfg.init_from else None,
+                                 replay_manifest=(data.replay.manifest if data.replay is not None
+                                                  and data.replay_share > 0 else None),
+                                 stage=stage)
     fp = ckpt.fingerprint_of(identity)
     torch.manual_seed(cfg.seed + env.rank)  # per-rank dropout streams
 

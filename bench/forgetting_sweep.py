@@ -1,0 +1,120 @@
+"""The practice notes' forgetting experiment: replay share x full fine-tuning / LoRA.
+
+Queues one DVC experiment per setting (``dvc exp run --queue -S sft.replay=... -S
+sft.lora=...``), runs the queue one at a time (each reruns ``sft`` and
+``evaluate_post`` only: the data stages, the base model and its evaluation come from the
+cache), then prints a markdown table from ``dvc exp show --json``: task scores,
+forgetting per pretraining domain (fine-tuned minus base bits-per-byte), trainable
+parameters, AdamW state bytes and wall time.
+
+    python bench/forgetting_sweep.py                # queue, run, report
+    python bench/forgetting_sweep.py --report-only  # the table of experiments already run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+REPLAYS = (0.0, 0.1, 0.3)
+# Hydra's override grammar, which `dvc exp run -S` parses.
+LORA = "{rank:8,alpha:16,dropout:0.0,targets:[attn,mlp]}"
+# LoRA trains ~3% of the weights and, as usual, takes a larger learning rate.
+MODES = {"full": ["-S", "sft.lora=null"],
+         "lora": ["-S", f"sft.lora={LORA}", "-S", "sft.lr=1e-3"]}
+PREFIX = "forget"
+
+
+def name(mode: str, replay: float) -> str:
+    return f"{PREFIX}-{mode}-r{int(round(replay * 100)):02d}"
+
+
+def queue() -> None:
+    for mode, args in MODES.items():
+        for replay in REPLAYS:
+            subprocess.run(["dvc", "exp", "run", "--queue", "-n", name(mode, replay),
+                            "-S", f"sft.replay={replay}", *args], check=True)
+    subprocess.run(["dvc", "queue", "start", "-j", "1"], check=True)
+    wait_for_queue()
+
+
+def wait_for_queue(poll: float = 20.0) -> None:
+    """Until no experiment is queued or running (``dvc queue start`` returns at once)."""
+    while True:
+        status = subprocess.run(["dvc", "queue", "status"], capture_output=True,
+                                text=True).stdout
+        busy = [line for line in status.splitlines()
+                if " Running " in line or " Queued " in line]
+        if not busy:
+            print(status)
+            return
+        time.sleep(poll)
+
+
+def experiments() -> dict[str, dict[str, Any]]:
+    """``{name: {metrics file: data}}`` of every experiment ``dvc exp show`` lists."""
+    out = subprocess.run(["dvc", "exp", "show", "--json", "--all-commits"], check=True,
+                         capture_output=True, text=True).stdout
+    found: dict[str, dict[str, Any]] = {}
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            data = node.get("data")
+            if node.get("name") and isinstance(data, dict) and data.get("metrics"):
+                found[node["name"]] = {path: m.get("data", {})
+                                       for path, m in data["metrics"].items()}
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(json.loads(out))
+    return found
+
+
+def row(metrics: dict[str, Any]) -> dict[str, Any]:
+    sft, post = metrics["metrics/sft.json"], metrics["metrics/post.json"]
+    tuned = post["sft"]
+    return {"token_acc": tuned["token_accuracy"], "loss": tuned["response_loss"],
+            "mc": tuned.get("mc_acc"), "forgetting": post["forgetting_bits_per_byte"],
+            "trainable": sft["trainable_params"],
+            "state_mb": sft["optimizer_state_bytes"] / 2**20,
+            "seconds": sft["wall_seconds"]}
+
+
+def report() -> str:
+    exps = experiments()
+    rows = [(mode, replay, row(exps[name(mode, replay)])) for mode in MODES
+            for replay in REPLAYS if name(mode, replay) in exps]
+    if not rows:
+        return "no forgetting-sweep experiments found (run without --report-only)"
+    domains = [d for d in rows[0][2]["forgetting"] if d != "token_weighted"]
+    head = ("| mode | replay | token acc | response loss | MC acc | "
+            + " | ".join(f"Δ bpb {d}" for d in domains)
+            + " | trainable params | AdamW state | sft wall |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for mode, replay, r in rows:
+        mc = f"{r['mc']:.3f}" if r["mc"] is not None else "n/a"
+        lines.append(
+            f"| {mode} | {replay:g} | {r['token_acc']:.3f} | {r['loss']:.3f} | {mc} | "
+            + " | ".join(f"{r['forgetting'][d]:+.3f}" for d in domains)
+            + f" | {r['trainable']:,} | {r['state_mb']:.1f} MiB | {r['seconds']:.0f} s |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--report-only", action="store_true")
+    args = ap.parse_args()
+    if not args.report_only:
+        queue()
+    print(report())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
