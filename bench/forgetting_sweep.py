@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -48,7 +49,7 @@ def wait_for_queue(poll: float = 20.0) -> None:
         status = subprocess.run(["dvc", "queue", "status"], capture_output=True,
                                 text=True).stdout
         busy = [line for line in status.splitlines()
-                if " Running " in line or " Queued " in line]
+                if re.search(r"\b(Running|Queued)\s*$", line)]
         if not busy:
             print(status)
             return

@@ -34,6 +34,7 @@ from lmforge.finetune.template import END_MARKER, generation_prompt, marker_ids
 from lmforge.io import write_json, write_text
 from lmforge.model import load_model
 from lmforge.model.generate import generate
+from lmforge.model.saved import extend_context
 from lmforge.shards.format import file_sha256
 from lmforge.shards.loader import ShardSet
 from lmforge.stage import run_stage
@@ -109,13 +110,17 @@ def main(params: Params) -> None:
     amp = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else None
     base, _ = load_model(BASE, device=device)
     tuned, _ = load_model(TUNED, device=device)
+    # Forgetting is measured as evaluate measured the base model: its windows.
+    base_len = base.config.seq_len
+    # Fine-tuning may use a longer context than pretraining: score both on the same text.
+    extend_context(base, tuned.config.seq_len)
     tok = Tokenizer.load(TUNED / "tokenizer.model")
 
     scores = {"base": task_scores(base, tok, params, device),
               "sft": task_scores(tuned, tok, params, device)}
     ev = params.evaluate
     mixture = ShardSet("data/shards/train").domain_shares()
-    tuned_val = score_split(tuned, ShardSet("data/shards/val"), tuned.config.seq_len,
+    tuned_val = score_split(tuned, ShardSet("data/shards/val"), base_len,
                             ev.batch_size, ev.max_batches, device, amp).as_dict(mixture)
     base_val = base_val_figures(BASE)
     rows = {fig: forgetting_rows(base_val, tuned_val, fig) for fig in ("bits_per_byte", "loss")}

@@ -166,8 +166,12 @@ def test_train_and_evaluate_outputs(pipeline):
     final = root / "models" / "final"
     for name in ("model.safetensors", "config.json", "tokenizer.model", "run.json"):
         assert (final / name).is_file(), name
-    (run_dir,) = (root / "models" / "checkpoints").iterdir()  # one run, in its own dir
-    assert list(run_dir.glob("step-*.pt")) and (run_dir / "run.json").is_file()
+    # One pretraining run and one fine-tuning run, each in its own directory.
+    runs = {load(d / "run.json")["identity"].get("stage", "train"): d
+            for d in (root / "models" / "checkpoints").iterdir()}
+    assert sorted(runs) == ["sft", "train"]
+    for run_dir in runs.values():
+        assert list(run_dir.glob("step-*.pt"))
     train = load(root / "metrics" / "train.json")
     assert train["steps"] == 24
     tsv = (root / "plots" / "train.tsv").read_text(encoding="utf-8").splitlines()
@@ -226,7 +230,9 @@ def test_exp_run_train_param_skips_data_stages(pipeline, env):
     # never removed; the experiment's run has a directory of its own.
     assert load(root / "metrics" / "train.json")["resumed_from"] is None
     after = {d.name: sorted(p.name for p in d.glob("step-*.pt")) for d in ck.iterdir()}
-    assert len(after) == 2 and all(after[name] == files for name, files in before.items())
+    # Two new runs: the experiment's pretraining and the fine-tuning of its model.
+    assert len(after) == len(before) + 2
+    assert all(after[name] == files for name, files in before.items())
     diff = run(["dvc", "metrics", "diff", "HEAD", "--json"], root, env)
     assert "metrics/eval.json" in diff
 

@@ -50,7 +50,39 @@ def summary(metrics_dir: str | Path = "metrics") -> str:
             lines.append(f"          {name:<14} loss {d['loss']:.3f}{err[0]}  "
                          f"bits/byte {d['bits_per_byte']:.3f}{err[1]}  "
                          f"({d.get('docs', '?')} docs)")
+    lines += post_training_lines(m)
     return "\n".join(lines)
+
+
+def post_training_lines(m: Path) -> list[str]:
+    """sft_data, sft and evaluate_post in a few lines: counts, run, task scores, forgetting."""
+    data, sft, post = (_load(m / "sft_data.json"), _load(m / "sft.json"),
+                       _load(m / "post.json"))
+    lines = []
+    if data:
+        c = data["counts"]
+        lines.append(f"sft_data  {c['in']:>6,} in  {c['kept']:>6,} kept  "
+                     f"{c['in'] - c['kept']:>5,} rejected   ({data['train']['rows']:,} rows "
+                     f"of {data['seq_len']}, {data['train']['target_share']:.0%} answer tokens)")
+    if sft:
+        lines.append(f"sft       {sft['mode']}, {sft['trainable_params']:,} trained params, "
+                     f"{sft['steps']} steps, replay {sft['replay_row_share']:g} of rows, "
+                     f"{sft['wall_seconds']:.0f} s")
+    if post:
+        b, t = post["base"], post["sft"]
+        lines.append(f"post      token accuracy {b['token_accuracy']:.3f} -> "
+                     f"{t['token_accuracy']:.3f} ± {t['token_accuracy_stderr']:.3f}, "
+                     f"response loss {b['response_loss']:.3f} -> {t['response_loss']:.3f}  "
+                     "(base -> fine-tuned, held-out test)")
+        if "mc_acc" in t:
+            lines.append(f"          exact match {b['exact_match']:.3f} -> "
+                         f"{t['exact_match']:.3f}, multiple choice {b['mc_acc']:.3f} -> "
+                         f"{t['mc_acc']:.3f} (chance {t['mc_chance']:.2f})")
+        forgot = post.get("forgetting_bits_per_byte", {})
+        if "mix_weighted" in forgot:
+            lines.append(f"          forgetting: val bits/byte {forgot['mix_weighted']:+.3f} "
+                         "(mixture-weighted; per domain in metrics/forgetting.md)")
+    return lines
 
 
 if __name__ == "__main__":

@@ -120,6 +120,20 @@ def load_checkpoint_model(path: str | os.PathLike, device: str | torch.device = 
     return model.to(device).eval(), config
 
 
+def extend_context(model: Llama, seq_len: int) -> Llama:
+    """The same model reading up to ``seq_len`` tokens (in place; never shortened).
+
+    RoPE has no learned positions: only the cos/sin tables grow. For comparing a base
+    model with a model fine-tuned at a longer context on the same sequences.
+    """
+    if seq_len > model.config.seq_len:
+        model.config = dataclasses.replace(model.config, seq_len=seq_len)
+        device = model.rope_cos.device
+        cos, sin = _rope_buffers(model.config)
+        model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    return model
+
+
 def _rope_buffers(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     from lmforge.model.llama import rope_tables
 
