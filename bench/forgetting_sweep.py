@@ -61,9 +61,12 @@ def experiments() -> dict[str, dict[str, Any]]:
     out = subprocess.run(["dvc", "exp", "show", "--json", "--all-commits"], check=True,
                          capture_output=True, text=True).stdout
     found: dict[str, dict[str, Any]] = {}
+    states: dict[str, str] = {}  # a queued or running experiment lists its baseline's metrics
 
     def walk(node: Any) -> None:
         if isinstance(node, dict):
+            if node.get("name") and isinstance(node.get("executor"), dict):
+                states[node["name"]] = node["executor"].get("state", "")
             data = node.get("data")
             if node.get("name") and isinstance(data, dict) and data.get("metrics"):
                 found[node["name"]] = {path: m.get("data", {})
@@ -75,7 +78,13 @@ def experiments() -> dict[str, dict[str, Any]]:
                 walk(value)
 
     walk(json.loads(out))
-    return found
+    return {n: m for n, m in found.items() if states.get(n, "success") == "success"}
+
+
+def finished(metrics: dict[str, Any] | None) -> bool:
+    """Whether an experiment has its results (one still running lists empty metrics)."""
+    return bool(metrics and metrics.get("metrics/post.json", {}).get("sft")
+                and metrics.get("metrics/sft.json"))
 
 
 def row(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -91,7 +100,7 @@ def row(metrics: dict[str, Any]) -> dict[str, Any]:
 def report() -> str:
     exps = experiments()
     rows = [(mode, replay, row(exps[name(mode, replay)])) for mode in MODES
-            for replay in REPLAYS if name(mode, replay) in exps]
+            for replay in REPLAYS if finished(exps.get(name(mode, replay)))]
     if not rows:
         return "no forgetting-sweep experiments found (run without --report-only)"
     domains = [d for d in rows[0][2]["forgetting"] if d != "token_weighted"]
