@@ -771,3 +771,55 @@ def test_replay_rows_come_from_the_second_shard_set_and_define_the_run(inputs, t
         np.arange(0, ShardSet(inputs.val_shards).num_tokens - 33, 1), 32).tolist()}
     rows = [tuple(r) for _ in range(5) for r in loader.next_batch()[0].tolist()]
     assert sum(r in val_windows for r in rows) == 5  # 25 % of 20 rows
+
+
+def test_two_process_lora_fine_tuning_with_replay_runs_under_ddp(tmp_path):
+    """The sft stage under 2 gloo ranks: frozen base, adapters, replay rows, masked loss."""
+    from safetensors.torch import load_file
+
+    from lmforge.model.saved import save_model
+
+    root = stage_repo(tmp_path / "sft")
+    paths = TrainPaths().under(root)
+    base = run(tiny_params(max_steps=4, eval_every=0), paths, tmp_path / "base-ckpt")
+    save_model(base.model, root / "base", paths.tokenizer,
+               tokenizer_sha256=file_sha256(paths.tokenizer))
+    sha = file_sha256(paths.tokenizer)
+    rng = np.random.default_rng(3)
+    for split, n in (("train", 40), ("val", 6)):  # conversations: 1 = prompt, mask on answer
+        docs = [[int(x) for x in rng.integers(3, 300, int(rng.integers(10, 30)))]
+                for _ in range(n)]
+        masks = [[0] * (len(d) // 2) + [1] * (len(d) - len(d) // 2) for d in docs]
+        write_shards(root / "data" / "sft" / split, docs, 300, tokenizer_sha256=sha,
+                     masks=masks)
+    params = yaml.safe_load((root / "params.yaml").read_text(encoding="utf-8"))
+    params["sft_data"] = {"seq_len": 32}
+    params["sft"] = {"init_from": "base", "max_steps": 4, "micro_batch_size": 4,
+                     "eval_every": 0, "eval_batches": 2, "ckpt_every": 2, "log_every": 2,
+                     "nproc": 2, "num_threads": 1, "replay": 0.25, "compile": False,
+                     "lora": {"rank": 4, "alpha": 8, "targets": ["attn"]}}
+    (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, PYTHONPATH=str(REPO), DVC_ROOT=str(root), RANK=str(rank),
+                   LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
+        procs.append(subprocess.Popen([sys.executable, "-m", "stages.sft"], cwd=root,
+                                      env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    for proc in procs:
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, out
+    metrics = json.loads((root / "metrics" / "sft.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["mode"] == "lora"
+    assert metrics["trainable_params"] == 2 * 4 * 4 * (64 + 64)  # 2 layers x q,k,v,o
+    assert math.isfinite(metrics["train_loss"]) and metrics["replay_row_share"] == 0.25
+    merged = load_file(root / "models" / "sft" / "model.safetensors")
+    before = base.model.state_dict()
+    assert not torch.equal(merged["layers.0.attn.wq.weight"], before["layers.0.attn.wq.weight"])
+    assert torch.equal(merged["layers.0.mlp.w1.weight"], before["layers.0.mlp.w1.weight"])
+    assert (root / "models" / "sft" / "adapter" / "adapter.safetensors").is_file()
