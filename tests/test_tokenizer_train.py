@@ -114,7 +114,8 @@ def test_metrics(trained):
     assert m["chars_per_token"]["en"] > m["chars_per_token"]["zh"]
     assert m["alphabet_size"] + m["merges_learned"] + m["byte_pieces"] + m["special_pieces"] \
         == CFG.vocab_size
-    assert m["byte_pieces"] == 256 and m["special_pieces"] == 4
+    # unk, bos, eos, pad + the chat markers reserved as control symbols
+    assert m["byte_pieces"] == 256 and m["special_pieces"] == 4 + len(CFG.reserved_tokens)
     assert 0 <= m["byte_fallback_rate"]["all"] < 1
     assert m["sample"]["chars"] <= CFG.sample_chars
     assert (root / "tokenizer" / "tokenizer.vocab").read_text().count("\t") >= CFG.vocab_size

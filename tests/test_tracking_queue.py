@@ -48,10 +48,18 @@ def env() -> dict[str, str]:
     return e
 
 
+PRETRAINING = ("ingest", "filter", "dedup", "mix", "tokenizer", "shards", "train", "evaluate")
+
+
 def make_repo(root: Path, env: dict[str, str]) -> None:
     """The pipeline, tiny params and a demo slice in a new git+DVC repo, reproduced."""
-    for name in ("dvc.yaml", ".dvcignore", ".gitignore"):
+    for name in (".dvcignore", ".gitignore"):
         shutil.copy(REPO / name, root / name)
+    # The pretraining stages: what is tracked here is a queued training run.
+    pipeline = yaml.safe_load((REPO / "dvc.yaml").read_text(encoding="utf-8"))
+    pipeline["stages"] = {name: stage for name, stage in pipeline["stages"].items()
+                          if name in PRETRAINING}
+    (root / "dvc.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False), encoding="utf-8")
     for name in ("stages", "src"):
         shutil.copytree(REPO / name, root / name,
                         ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))

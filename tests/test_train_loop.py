@@ -513,7 +513,7 @@ def test_fixed_prompt_samples_are_logged_without_touching_training(inputs, tmp_p
     from lmforge.train import loop
 
     recorder = RecordingRun()
-    monkeypatch.setattr(loop, "open_run", lambda params, run_id=None: recorder)
+    monkeypatch.setattr(loop, "open_run", lambda params, run_id=None, stage="train": recorder)
     params = tiny_params(max_steps=6, sample_every=3, eval_every=0, ckpt_every=100)
     prompts = [("alpha beta", [1, 5, 6]), ("", [1])]
     sampled = train(params, open_data(inputs), tmp_path / "a", "t" * 64, CPU, track=True,

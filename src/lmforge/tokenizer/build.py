@@ -34,7 +34,7 @@ def build_tokenizer(train_dir: str | Path, val_dir: str | Path, out_dir: str | P
     sample_seconds = time.perf_counter() - t0
     if not sample.texts:
         raise InputError(f"{train_dir}: no text to train the tokenizer on")
-    model, train_seconds = train_model(sample.texts, cfg, cfg.reserved_tokens)
+    model, train_seconds = train_model(sample.texts, cfg)
     metrics = _write_and_score(model, val_parts, out_dir, cfg)
     metrics.update({
         "sample": {"chars": sum(sample.chars_per_domain.values()),

@@ -109,11 +109,13 @@ def _checked_reserved(tokens: Sequence[str]) -> list[str]:
 
 
 def train_model(texts: Iterable[str], cfg: TokenizerConfig,
-                reserved_tokens: Sequence[str] = ()) -> tuple[bytes, float]:
+                reserved_tokens: Sequence[str] | None = None) -> tuple[bytes, float]:
     """Train on ``texts``; return the serialized model and the training seconds.
 
-    ``reserved_tokens``: see ``trainer_options`` (none by default).
+    ``reserved_tokens``: see ``trainer_options``; None = ``cfg.reserved_tokens``.
     """
+    if reserved_tokens is None:
+        reserved_tokens = cfg.reserved_tokens
     spm.set_random_generator_seed(cfg.seed)
     buf = io.BytesIO()
     start = time.perf_counter()
