@@ -52,6 +52,8 @@ def corpus(seed: int = 0) -> list[str]:
 
 
 def write_sp(path: Path, **kw) -> Path:
+    """A base model's tokenizer (no chat markers: tests/test_chat.py exports chat models)."""
+    kw.setdefault("reserved_tokens", [])
     cfg = TokenizerConfig(vocab_size=500, character_coverage=1.0, num_threads=1, **kw)
     path.write_bytes(train_model(corpus(), cfg)[0])
     return path

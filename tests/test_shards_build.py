@@ -130,7 +130,7 @@ def test_wrong_text_type_is_reported(tmp_path):
         out = tmp_path / "mixed" / split / "part-00000.parquet"
         out.parent.mkdir(parents=True)
         pq.write_table(pa.table({"id": ["a"], "text": [3], "domain": ["d"]}), out)
-    model, _ = train_model(["abc def"] * 50, TokenizerConfig(vocab_size=270, num_threads=1))
+    model, _ = train_model(["abc def"] * 50, TokenizerConfig(vocab_size=280, num_threads=1))
     (tmp_path / "t.model").write_bytes(model)
     with pytest.raises(InputError, match=r"part-00000\.parquet: column 'text' is int64"):
         build_shards(tmp_path / "mixed", tmp_path / "t.model", tmp_path / "out", ShardsConfig())
