@@ -445,6 +445,29 @@ def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path):
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
+def run_two_ranks(root: Path, module: str, mlflow_db: Path) -> list[str]:
+    """Start ``module`` as two gloo ranks, as torchrun would (its launcher would only add
+    start-up time); wait for both and return their output."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, PYTHONPATH=str(REPO), DVC_ROOT=str(root), RANK=str(rank),
+                   LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   MLFLOW_TRACKING_URI=f"sqlite:///{mlflow_db}")
+        procs.append(subprocess.Popen([sys.executable, "-m", module], cwd=root, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outs = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, out
+        outs.append(out)
+    return outs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("compile_", [False, "auto"])
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path, compile_):
@@ -456,24 +479,7 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path
     params["train"].update(nproc=2, micro_batch_size=4, max_steps=10, eval_every=0,
                            compile=compile_)
     (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
-    # Start the two ranks as torchrun would (its launcher would only add start-up time).
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, PYTHONPATH=str(REPO), DVC_ROOT=str(root), RANK=str(rank),
-                   LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
-        procs.append(subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=root,
-                                      env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    outs = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=180)
-        assert proc.returncode == 0, out
-        outs.append(out)
+    outs = run_two_ranks(root, "stages.train", tmp_path / "mlflow.db")
     if compile_ == "auto" and compile_support(torch.device("cpu")) is None:
         assert ", compiled" in outs[0], outs[0]  # torch.compile over DistributedDataParallel
     metrics = json.loads((root / "metrics" / "train.json").read_text())
@@ -799,21 +805,7 @@ def test_two_process_lora_fine_tuning_with_replay_runs_under_ddp(tmp_path):
                      "nproc": 2, "num_threads": 1, "replay": 0.25, "compile": False,
                      "lora": {"rank": 4, "alpha": 8, "targets": ["attn"]}}
     (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, PYTHONPATH=str(REPO), DVC_ROOT=str(root), RANK=str(rank),
-                   LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
-        procs.append(subprocess.Popen([sys.executable, "-m", "stages.sft"], cwd=root,
-                                      env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    for proc in procs:
-        out, _ = proc.communicate(timeout=180)
-        assert proc.returncode == 0, out
+    run_two_ranks(root, "stages.sft", tmp_path / "mlflow.db")
     metrics = json.loads((root / "metrics" / "sft.json").read_text())
     assert metrics["world_size"] == 2 and metrics["mode"] == "lora"
     assert metrics["trainable_params"] == 2 * 4 * 4 * (64 + 64)  # 2 layers x q,k,v,o

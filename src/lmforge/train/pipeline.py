@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,10 +43,7 @@ class TrainPaths:
 
 def run_train_stage(params: Params, paths: TrainPaths, module: str = "stages.train") -> None:
     """Train as params say; with ``train.nproc > 1`` re-launch through torchrun first."""
-    if params.train.nproc > 1 and not distributed.under_torchrun():
-        code = distributed.relaunch_under_torchrun(params.train.nproc, module)
-        if code:
-            raise LmforgeError(f"train: torchrun exited with status {code}")
+    if relaunched(params.train.nproc, module, "train"):
         return
     if params.train.init_from:  # DVC deletes a stage's outputs before it runs it
         ensure_outside(params.train.init_from, paths.final, "an output of this stage")
@@ -68,18 +67,38 @@ def run_train_stage(params: Params, paths: TrainPaths, module: str = "stages.tra
                                               special),
                        decode=_decoder(paths.tokenizer))
         if env.is_main:
-            try:
+            with failing_run_on_error(result, paths.checkpoints):
                 write_outputs(result, paths, special, tokenizer_sha)
-            except BaseException:
-                # The loop closed the run FINISHED; without its outputs it is not.
-                from lmforge.tracking import end_run
-                from lmforge.train.runs import run_dir, update_run
-
-                end_run(result.run_id, "FAILED")
-                update_run(run_dir(paths.checkpoints, result.fingerprint), status="failed")
-                raise
     finally:
         distributed.teardown()
+
+
+def relaunched(nproc: int, module: str, stage: str) -> bool:
+    """With ``nproc > 1`` outside torchrun, run ``module`` under torchrun; True if it did."""
+    if nproc <= 1 or distributed.under_torchrun():
+        return False
+    code = distributed.relaunch_under_torchrun(nproc, module)
+    if code:
+        raise LmforgeError(f"{stage}: torchrun exited with status {code}")
+    return True
+
+
+@contextlib.contextmanager
+def failing_run_on_error(result: TrainResult, checkpoints: Path) -> Iterator[None]:
+    """Writing a finished run's outputs: if that fails, so did the run.
+
+    The loop closed the run FINISHED; without its outputs it is not, in MLflow or in
+    its run.json.
+    """
+    try:
+        yield
+    except BaseException:
+        from lmforge.tracking import end_run
+        from lmforge.train.runs import run_dir, update_run
+
+        end_run(result.run_id, "FAILED")
+        update_run(run_dir(checkpoints, result.fingerprint), status="failed")
+        raise
 
 
 def _run_self_check(params: Params, data: Any, env: Any) -> None:

@@ -17,14 +17,20 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.config import ModelConfig, Params
-from lmforge.errors import InputError, LmforgeError
+from lmforge.errors import InputError
 from lmforge.io import write_json, write_text
 from lmforge.model.lora import adamw_state_bytes, merge_lora, save_adapter, trainable_parameters
 from lmforge.model.saved import load_model, save_model
 from lmforge.shards.format import file_sha256
 from lmforge.train import distributed
 from lmforge.train.loop import TrainData, TrainResult, open_shard_data, train
-from lmforge.train.pipeline import VAL_TSV_COLUMNS, history_tsv, special_ids
+from lmforge.train.pipeline import (
+    VAL_TSV_COLUMNS,
+    failing_run_on_error,
+    history_tsv,
+    relaunched,
+    special_ids,
+)
 from lmforge.train.warm_start import ensure_outside
 
 
@@ -84,10 +90,7 @@ def base_config(init_from: str, tokenizer_sha: str) -> ModelConfig:
 def run_sft_stage(params: Params, paths: SftPaths, module: str = "stages.sft") -> None:
     """Fine-tune as params say; with ``sft.nproc > 1`` re-launch through torchrun first."""
     cfg = params.sft
-    if cfg.nproc > 1 and not distributed.under_torchrun():
-        code = distributed.relaunch_under_torchrun(cfg.nproc, module)
-        if code:
-            raise LmforgeError(f"sft: torchrun exited with status {code}")
+    if relaunched(cfg.nproc, module, "sft"):
         return
     ensure_outside(cfg.init_from, paths.final, "an output of this stage")
     env = distributed.setup(cfg.device, cfg.num_threads)
@@ -100,15 +103,8 @@ def run_sft_stage(params: Params, paths: SftPaths, module: str = "stages.sft") -
         run_params = loop_params(params, base_config(cfg.init_from, tokenizer_sha), seq_len)
         result = train(run_params, data, paths.checkpoints, tokenizer_sha, env, stage="sft")
         if env.is_main:
-            try:
+            with failing_run_on_error(result, paths.checkpoints):
                 write_sft_outputs(result, params, data, paths, tokenizer_sha)
-            except BaseException:
-                from lmforge.tracking import end_run
-                from lmforge.train.runs import run_dir, update_run
-
-                end_run(result.run_id, "FAILED")
-                update_run(run_dir(paths.checkpoints, result.fingerprint), status="failed")
-                raise
     finally:
         distributed.teardown()
 
