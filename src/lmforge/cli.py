@@ -9,6 +9,7 @@ from pathlib import Path
 from lmforge.chat import add_chat_parser
 from lmforge.data.filter_cli import add_filter_parser
 from lmforge.errors import InputError, LmforgeError
+from lmforge.evaluate.harness_cli import add_eval_parser
 from lmforge.export import add_export_parser, add_import_parser
 from lmforge.shards.inspect import add_inspect_parser
 from lmforge.train.checkpoints_cli import add_checkpoints_parser
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_checkpoints_parser(sub)
     add_filter_parser(sub)
+    add_eval_parser(sub)
     return parser
 
 
