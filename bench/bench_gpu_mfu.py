@@ -124,7 +124,7 @@ def main() -> None:
         for _ in range(args.steps):
             _sync(device)
             t0 = time.perf_counter()
-            loss, _ = _optimizer_step(step_model, None, model, optimizer, scaler, precision,
+            loss, _, _ = _optimizer_step(step_model, None, model, optimizer, scaler, precision,
                                       loader, args.accum, cfg.grad_clip, env)
             _sync(device)
             times.append(time.perf_counter() - t0)

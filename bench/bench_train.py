@@ -88,7 +88,7 @@ class Ours:
         lr = lr_at(self.step, self.cfg)
         for group in self.opt.param_groups:
             group["lr"] = lr
-        loss, _ = _optimizer_step(self.step_model, None, self.model, self.opt, self.scaler,
+        loss, _, _ = _optimizer_step(self.step_model, None, self.model, self.opt, self.scaler,
                                   self.precision, self.loader, self.cfg.grad_accum_steps,
                                   self.cfg.grad_clip, CPU)
         self.step += 1

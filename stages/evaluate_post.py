@@ -1,17 +1,20 @@
-"""DVC stage ``evaluate_post``: the fine-tuned model vs its base, on what each should do.
+"""DVC stage ``evaluate_post``: the base, SFT and DPO models on what each should do.
 
 - Held-out instruction tasks (``evaluate_post.test``, ``test_mc``): response loss, exact
-  match of the greedy reply, multiple-choice accuracy by log-likelihood, base and
-  fine-tuned (lmforge.evaluate.tasks).
-- Forgetting: the fine-tuned model's pretraining val loss and bits-per-byte per domain
+  match of the greedy reply, multiple-choice accuracy by log-likelihood, for every model
+  (lmforge.evaluate.tasks).
+- Held-out preference pairs (``evaluate_post.test_pref``): how often each model finds
+  the chosen response more likely, and the DPO model's reward accuracy against its
+  reference, the SFT model (lmforge.evaluate.preferences).
+- Forgetting: each fine-tuned model's pretraining val loss and bits-per-byte per domain
   against the base model's from metrics/eval.json (same shards, same protocol:
   ``evaluate.max_batches`` and ``batch_size``), as a table.
-- Chat samples: both models answer ``evaluate_post.prompts`` and one test question per
+- Chat samples: every model answers ``evaluate_post.prompts`` and one test question per
   task through the chat template.
 
 Writes metrics/post.json (headline figures), metrics/post_detail.json (all of them),
-metrics/forgetting.md, metrics/post_tasks.md and metrics/post_samples.md, and logs them
-to the sft run in MLflow.
+metrics/forgetting.md, metrics/post_tasks.md (with the preference table) and
+metrics/post_samples.md, and logs them to the sft and dpo runs in MLflow.
 """
 
 from __future__ import annotations
@@ -28,6 +31,12 @@ from lmforge.config import Params
 from lmforge.errors import InputError
 from lmforge.evaluate import score_split
 from lmforge.evaluate.forgetting import forgetting_markdown, forgetting_rows
+from lmforge.evaluate.preferences import (
+    pair_logps,
+    preference_scores,
+    preferences_markdown,
+    read_pairs,
+)
 from lmforge.evaluate.tasks import read_task_records, score_choices, score_responses, tasks_markdown
 from lmforge.evaluate.tracking import open_eval_run
 from lmforge.finetune.template import END_MARKER, generation_prompt, marker_ids
@@ -41,7 +50,10 @@ from lmforge.stage import run_stage
 from lmforge.tokenizer import Tokenizer
 from lmforge.tracking import EVALUATED_TAG, ui_path
 
-BASE, TUNED = Path("models/final"), Path("models/sft")
+BASE = Path("models/final")
+# The fine-tuned models, each with the model its preference reward is measured against.
+TUNED = {"sft": Path("models/sft"), "dpo": Path("models/dpo")}
+REFERENCES = {"dpo": "sft"}
 EVAL = Path("metrics/eval.json")
 
 
@@ -103,42 +115,62 @@ def sample_questions(params: Params) -> list[tuple[str, str]]:
 
 def main(params: Params) -> None:
     started = time.perf_counter()
-    for d in (BASE, TUNED):
+    for d in (BASE, *TUNED.values()):
         if not (d / "model.safetensors").is_file():
-            raise InputError(f"{d}/model.safetensors: no model (run the train / sft stage)")
+            raise InputError(f"{d}/model.safetensors: no model (run the train / sft / dpo "
+                             "stage)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     amp = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else None
-    base, _ = load_model(BASE, device=device)
-    tuned, _ = load_model(TUNED, device=device)
+    models = {"base": load_model(BASE, device=device)[0]}
+    models.update({name: load_model(d, device=device)[0] for name, d in TUNED.items()})
     # Forgetting is measured as evaluate measured the base model: its windows.
-    base_len = base.config.seq_len
-    # Fine-tuning may use a longer context than pretraining: score both on the same text.
-    extend_context(base, tuned.config.seq_len)
-    tok = Tokenizer.load(TUNED / "tokenizer.model")
+    base_len = models["base"].config.seq_len
+    # Fine-tuning may use a longer context than pretraining: score all on the same text.
+    longest = max(m.config.seq_len for m in models.values())
+    for m in models.values():
+        extend_context(m, longest)
+    tok = Tokenizer.load(TUNED["sft"] / "tokenizer.model")
 
-    scores = {"base": task_scores(base, tok, params, device),
-              "sft": task_scores(tuned, tok, params, device)}
+    scores = {name: task_scores(m, tok, params, device) for name, m in models.items()}
     ev = params.evaluate
     mixture = ShardSet("data/shards/train").domain_shares()
-    tuned_val = score_split(tuned, ShardSet("data/shards/val"), base_len,
-                            ev.batch_size, ev.max_batches, device, amp).as_dict(mixture)
     base_val = base_val_figures(BASE)
-    rows = {fig: forgetting_rows(base_val, tuned_val, fig) for fig in ("bits_per_byte", "loss")}
+    tuned_val, rows = {}, {}
+    for name in TUNED:
+        tuned_val[name] = score_split(models[name], ShardSet("data/shards/val"), base_len,
+                                      ev.batch_size, ev.max_batches, device,
+                                      amp).as_dict(mixture)
+        rows[name] = {fig: forgetting_rows(base_val, tuned_val[name], fig)
+                      for fig in ("bits_per_byte", "loss")}
     forgetting_md = "\n".join(
-        [f"# Forgetting: base ({BASE}) vs fine-tuned ({TUNED}) on the pretraining val split",
-         ""] + [f"## {fig}\n\n{forgetting_markdown(r, fig)}" for fig, r in rows.items()])
-    tasks_md = tasks_markdown(scores["base"], scores["sft"])
-    samples = samples_markdown({"base": base, "sft": tuned}, tok, sample_questions(params),
+        f"# Forgetting: base ({BASE}) vs {name} ({TUNED[name]}) on the pretraining val "
+        "split\n\n" + "\n".join(f"## {fig}\n\n{forgetting_markdown(r, fig)}"
+                                  for fig, r in rows[name].items())
+        for name in TUNED)
+    tasks_md = "\n".join(
+        f"## {tuned} against {before} (the table's base is {before}, tuned is {tuned})\n\n"
+        + tasks_markdown(scores[before], scores[tuned])
+        for before, tuned in (("base", "sft"), ("sft", "dpo")))
+    preferences = None
+    if params.evaluate_post.test_pref:
+        pairs, tasks = read_pairs(params.evaluate_post.test_pref)
+        logps = {name: pair_logps(m, tok, pairs, params.evaluate_post.batch_size, device)
+                 for name, m in models.items()}
+        preferences = preference_scores(logps, tasks, REFERENCES)
+        tasks_md += ("\n## Held-out preference pairs\n\n"
+                     + preferences_markdown(preferences))
+    samples = samples_markdown(models, tok, sample_questions(params),
                                params.evaluate_post.max_new_tokens)
-    results = {"tasks": scores, "forgetting": rows, "val_sft": tuned_val,
-               "seconds": round(time.perf_counter() - started, 2)}
+    results = {"tasks": scores, "preferences": preferences, "forgetting": rows,
+               "val": tuned_val, "seconds": round(time.perf_counter() - started, 2)}
     write_json("metrics/post.json", finite(headline(results)))
     write_json("metrics/post_detail.json", finite(results))
     write_text("metrics/forgetting.md", forgetting_md)
     write_text("metrics/post_tasks.md", tasks_md)
     write_text("metrics/post_samples.md", samples)
-    log_to_mlflow(results, {"forgetting.md": forgetting_md, "tasks.md": tasks_md,
-                            "samples.md": samples}, params)
+    texts = {"forgetting.md": forgetting_md, "tasks.md": tasks_md, "samples.md": samples}
+    for name in TUNED:
+        log_to_mlflow(results, texts, params, TUNED[name])
     print(tasks_md)
     print(forgetting_md)
 
@@ -151,6 +183,7 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
     are in metrics/post_detail.json.
     """
     out: dict[str, Any] = {}
+    prefs = results.get("preferences") or {}
     for model, s in results["tasks"].items():
         r, e = s["response"]["overall"], s["exact_match"]["overall"]
         fig = {"response_loss": r["loss"], "response_loss_stderr": r["loss_stderr"],
@@ -161,9 +194,15 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
         if "multiple_choice" in s:
             m = s["multiple_choice"]["overall"]
             fig.update(mc_acc=m["acc"], mc_acc_stderr=m["acc_stderr"], mc_chance=m["chance"])
+        if model in prefs:
+            p = prefs[model]["overall"]
+            fig.update({k: p[k] for k in ("pref_accuracy", "pref_accuracy_stderr",
+                                          "reward_accuracy", "reward_accuracy_stderr")
+                        if k in p})
         out[model] = fig
-    out["forgetting_bits_per_byte"] = {r["domain"]: r["change"]
-                                       for r in results["forgetting"]["bits_per_byte"]}
+    out["forgetting_bits_per_byte"] = {
+        name: {r["domain"]: r["change"] for r in rows["bits_per_byte"]}
+        for name, rows in results["forgetting"].items()}
     out["seconds"] = results["seconds"]
     return out
 
@@ -188,20 +227,27 @@ def flat_metrics(results: dict[str, Any]) -> dict[str, float]:
                 if (isinstance(value, (int, float)) and not isinstance(value, bool)
                         and math.isfinite(value)):
                     out[f"post/{model}_{part}_{key}"] = float(value)
-    for fig, rows in results["forgetting"].items():
-        for r in rows:
-            if math.isfinite(r["change"]):
-                out[f"post_forgetting/{fig}_change/{r['domain']}"] = float(r["change"])
+    for model, s in (results.get("preferences") or {}).items():
+        for key, value in s["overall"].items():
+            if isinstance(value, float) and math.isfinite(value):
+                out[f"post/{model}_preference_{key}"] = value
+    for name, figures in results["forgetting"].items():
+        for fig, rows in figures.items():
+            for r in rows:
+                if math.isfinite(r["change"]):
+                    out[f"post_forgetting/{name}/{fig}_change/{r['domain']}"] = float(r["change"])
     return out
 
 
-def log_to_mlflow(results: dict[str, Any], texts: dict[str, str], params: Params) -> None:
-    """Into the sft run (or a run nested under it when that one was evaluated before)."""
-    run_file = TUNED / "run.json"
+def log_to_mlflow(results: dict[str, Any], texts: dict[str, str], params: Params,
+                  model_dir: Path) -> None:
+    """Into the run that trained ``model_dir`` (or a run nested under it when that one
+    was evaluated before)."""
+    run_file = model_dir / "run.json"
     run_id = (json.loads(run_file.read_text()).get("mlflow_run_id")
               if run_file.is_file() else None)
     if not run_id:
-        print("evaluate_post: no MLflow run recorded by the sft stage; not logging")
+        print(f"evaluate_post: no MLflow run recorded for {model_dir}; not logging")
         return
     with open_eval_run(run_id, params) as run:
         run.log_metrics(flat_metrics(results), step=0)

@@ -66,6 +66,14 @@ NON_OUTPUT_KEYS: dict[str, dict[str, str]] = {
         "ckpt_every": "checkpoint cadence", "light_every": "model-only snapshot cadence",
         "keep_last": "checkpoint pruning", "max_bad_steps": "abort threshold",
         "self_check": "pre-flight check"}.items()},
+    # DPO's too: evaluation runs the frozen reference and draws no random numbers, so
+    # eval_every changes only the cadence of plots/dpo_val.tsv.
+    "dpo": {k: v for k, v in {
+        "log_every": "logging cadence", "eval_every": "val cadence (KL, accuracy, loss)",
+        "sample_every": "sampling cadence", "sample_prompts": "MLflow samples only",
+        "ckpt_every": "checkpoint cadence", "light_every": "model-only snapshot cadence",
+        "keep_last": "checkpoint pruning", "max_bad_steps": "abort threshold",
+        "self_check": "pre-flight check"}.items()},
     # Everything else changes outputs, kernels and thread counts included: torch splits
     # CPU reductions by thread (train.num_threads), unigram tokenizers depend on
     # sentencepiece's threads (tokenizer.num_threads), and compile, fused_loss,

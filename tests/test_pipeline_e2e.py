@@ -23,6 +23,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "data" / "raw" / "demo"
 INSTRUCTIONS = REPO / "data" / "instructions" / "demo"
+PREFERENCES = REPO / "data" / "preferences" / "demo"
 DOCS_PER_DOMAIN = 40
 VOCAB = 2000
 
@@ -43,6 +44,9 @@ def tiny_params() -> dict:
     params["sft_data"].update(seq_len=128, val_fraction=0.1)
     params["sft"].update(max_steps=6, micro_batch_size=4, warmup=2, eval_every=3,
                          eval_batches=2, log_every=2, ckpt_every=3, compile=False, replay=0.25)
+    params["dpo_data"].update(seq_len=128, val_fraction=0.1)
+    params["dpo"].update(max_steps=4, micro_batch_size=4, warmup=1, eval_every=2,
+                         eval_batches=1, log_every=2, ckpt_every=2, compile=False)
     params["evaluate_post"].update(batch_size=8, max_new_tokens=8, prompts=["Hi"])
     return params
 
@@ -54,10 +58,10 @@ def run(cmd: list[str], cwd: Path, env: dict[str, str]) -> str:
     return out
 
 
-def slice_instructions(dest: Path) -> None:
-    """The first records of the demo instruction set's train, test and test_mc files."""
-    for name, n in (("train", 300), ("test", 60), ("test_mc", 20)):
-        with gzip.open(INSTRUCTIONS / f"{name}.jsonl.gz", "rt", encoding="utf-8") as f:
+def slice_records(source: Path, dest: Path, counts: dict[str, int]) -> None:
+    """The first records of each of ``source``'s ``<name>.jsonl.gz`` files."""
+    for name, n in counts.items():
+        with gzip.open(source / f"{name}.jsonl.gz", "rt", encoding="utf-8") as f:
             lines = [line for _, line in zip(range(n), f, strict=False)]
         dest.mkdir(parents=True, exist_ok=True)
         with gzip.open(dest / f"{name}.jsonl.gz", "wt", encoding="utf-8") as f:
@@ -99,7 +103,10 @@ def pipeline(tmp_path_factory, env) -> tuple[Path, str]:
     shutil.copytree(REPO / "src", root / "src",
                     ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     slice_demo(root / "data" / "raw" / "demo")
-    slice_instructions(root / "data" / "instructions" / "demo")
+    slice_records(INSTRUCTIONS, root / "data" / "instructions" / "demo",
+                  {"train": 300, "test": 60, "test_mc": 20})
+    slice_records(PREFERENCES, root / "data" / "preferences" / "demo",
+                  {"train": 300, "test": 40})
     (root / "params.yaml").write_text(yaml.safe_dump(tiny_params(), sort_keys=False),
                                       encoding="utf-8")
     run(["git", "init", "-q"], root, env)
@@ -267,20 +274,47 @@ def test_post_training_outputs(pipeline, env):
     for name in ("model.safetensors", "config.json", "tokenizer.model", "run.json"):
         assert (root / "models" / "sft" / name).is_file(), name
     headline = load(root / "metrics" / "post.json")
-    assert headline["sft"]["token_accuracy"] > 0 and "en_literature" in \
-        headline["forgetting_bits_per_byte"]
+    assert headline["sft"]["token_accuracy"] > 0
+    for model in ("sft", "dpo"):
+        assert "en_literature" in headline["forgetting_bits_per_byte"][model]
     post = load(root / "metrics" / "post_detail.json")
-    for model in ("base", "sft"):
+    for model in ("base", "sft", "dpo"):
         assert math.isfinite(post["tasks"][model]["response"]["overall"]["loss"])
         assert post["tasks"][model]["multiple_choice"]["overall"]["n"] == 20
+        assert post["preferences"][model]["overall"]["n"] == 40
+        assert 0 <= headline[model]["pref_accuracy"] <= 1
+    # The DPO model's reward is measured against its reference, the SFT model.
+    assert post["preferences"]["dpo"]["overall"]["reference"] == "sft"
+    assert "reward_accuracy" not in post["preferences"]["sft"]["overall"]
     domains = set(load(root / "metrics" / "ingest.json")["domains"])
-    rows = {r["domain"] for r in post["forgetting"]["bits_per_byte"]}
-    assert domains | {"mix_weighted", "token_weighted"} == rows
+    for model in ("sft", "dpo"):
+        rows = {r["domain"] for r in post["forgetting"][model]["bits_per_byte"]}
+        assert domains | {"mix_weighted", "token_weighted"} == rows
     # Fine-tuning moved the model, so its response loss differs from the base's.
     assert post["tasks"]["sft"]["response"]["overall"]["loss"] != \
         post["tasks"]["base"]["response"]["overall"]["loss"]
     for name in ("forgetting.md", "post_tasks.md", "post_samples.md"):
         assert (root / "metrics" / name).stat().st_size > 100, name
+
+
+def test_dpo_outputs(pipeline, env):
+    root, _ = pipeline
+    data = load(root / "metrics" / "dpo_data.json")
+    c = data["counts"]
+    assert c["in"] == 300 and c["kept"] + sum(c["rejected"].values()) == 300
+    assert data["train"]["pairs"] + data["val"]["pairs"] == c["kept"]
+    dpo = load(root / "metrics" / "dpo.json")
+    assert dpo["steps"] == 4 and dpo["mode"] == "full" and dpo["beta"] == 0.1
+    for key in ("val_loss", "val_pref_accuracy", "val_reward_margin", "val_kl_per_token"):
+        assert math.isfinite(dpo[key]), key
+    assert dpo["val_kl_per_token"] > 0  # the policy moved away from its reference
+    for name in ("model.safetensors", "config.json", "tokenizer.model", "run.json"):
+        assert (root / "models" / "dpo" / name).is_file(), name
+    rows = (root / "plots" / "dpo.tsv").read_text().splitlines()
+    assert rows[0].split("\t")[:2] == ["step", "loss"] and "pref_accuracy" in rows[0]
+    assert len(rows) == 1 + 2  # logged at steps 2 and 4
+    listing = run(["lmforge", "checkpoints"], root, env)
+    assert "[dpo] (this is the run params.yaml trains)" in listing, listing
 
 
 def test_exp_run_sft_param_reruns_only_post_training(pipeline, env):
@@ -290,9 +324,14 @@ def test_exp_run_sft_param_reruns_only_post_training(pipeline, env):
                   "evaluate", "sft_data"):
         assert f"Running stage '{stage}'" not in out, out[-3000:]
     assert "Running stage 'sft'" in out and "Running stage 'evaluate_post'" in out
+    out = run(["dvc", "exp", "run", "-S", "dpo.beta=0.2"], root, env)
+    for stage in ("ingest", "filter", "dedup", "mix", "tokenizer", "shards", "train",
+                  "evaluate", "sft_data", "sft", "dpo_data"):
+        assert f"Running stage '{stage}'" not in out, out[-3000:]
+    assert "Running stage 'dpo'" in out and "Running stage 'evaluate_post'" in out
     out = run(["dvc", "exp", "run", "-S", "sft_data.val_fraction=0.2"], root, env)
     for stage in ("ingest", "filter", "dedup", "mix", "tokenizer", "shards", "train",
                   "evaluate"):
         assert f"Running stage '{stage}'" not in out, out[-3000:]
-    for stage in ("sft_data", "sft", "evaluate_post"):
+    for stage in ("sft_data", "sft", "dpo", "evaluate_post"):
         assert f"Running stage '{stage}'" in out, out[-3000:]

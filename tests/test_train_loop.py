@@ -121,8 +121,8 @@ def test_accumulated_micro_batches_give_the_full_batch_gradient():
         prec = resolve_precision("fp32", CPU.device)
         b = 8 // accum
         loader = ListLoader((x[i:i + b], y[i:i + b]) for i in range(0, 8, b))
-        loss, norm = _optimizer_step(model, None, model, opt, prec.grad_scaler(), prec, loader,
-                                     accum, 0.0, CPU)
+        loss, norm, _ = _optimizer_step(model, None, model, opt, prec.grad_scaler(), prec,
+                                        loader, accum, 0.0, CPU)
         assert not loader.batches  # every micro-batch was used
         updates.append(([b0 - p.detach() for b0, p in zip(before, model.parameters(),
                                                             strict=True)], loss, norm))
@@ -151,8 +151,8 @@ def test_micro_batches_weigh_by_their_target_tokens_and_an_all_masked_one_by_zer
         before = [p.detach().clone() for p in model.parameters()]
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         prec = resolve_precision("fp32", CPU.device)
-        loss, norm = _optimizer_step(model, None, model, opt, prec.grad_scaler(), prec,
-                                     ListLoader(batches), len(batches), 0.0, CPU)
+        loss, norm, _ = _optimizer_step(model, None, model, opt, prec.grad_scaler(), prec,
+                                        ListLoader(batches), len(batches), 0.0, CPU)
         return [b - p.detach() for b, p in zip(before, model.parameters(), strict=True)], loss
 
     whole, loss_whole = step([(x, y)])  # one batch: the mean over its target tokens
@@ -174,8 +174,8 @@ def test_grad_norm_is_logged_before_clipping():
     x, y = torch.randint(0, 32, (2, 4, 8))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     prec = resolve_precision("fp32", CPU.device)
-    _, norm = _optimizer_step(model, None, model, opt, prec.grad_scaler(), prec,
-                              ListLoader([(x, y)]), 1, 1e-3, CPU)
+    _, norm, _ = _optimizer_step(model, None, model, opt, prec.grad_scaler(), prec,
+                                 ListLoader([(x, y)]), 1, 1e-3, CPU)
     assert norm > 1e-3  # the clip threshold did not cap the reported norm
 
 

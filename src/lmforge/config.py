@@ -512,12 +512,86 @@ class SftConfig(TrainConfig):
 
 
 @dataclass
+class DpoDataConfig:
+    """Preference pairs -> masked, packed token shards (the dpo_data stage)."""
+
+    # JSON-lines files (globs) of prompt/chosen/rejected records (TRL's shape: strings or
+    # message lists); bad records are rejected with a reason and counted.
+    sources: list[str] = field(
+        default_factory=lambda: ["data/preferences/demo/train.jsonl.gz"])
+    # Packed row length: each row holds whole pairs (chosen, then rejected).
+    seq_len: int = 256
+    # Share of pairs held out for the val figures during training (by a seeded hash).
+    val_fraction: float = 0.05
+    max_record_bytes: int = 64 * 1024 * 1024
+    seed: int = 1234
+
+    def validate(self) -> None:
+        if not self.sources:
+            raise ConfigError("dpo_data.sources: give at least one file or glob")
+        _positive(self, "seq_len", "max_record_bytes")
+        if not 0 < self.val_fraction < 0.5:
+            raise ConfigError(f"dpo_data.val_fraction: {self.val_fraction} must be in (0, 0.5)")
+
+
+@dataclass
+class DpoConfig(TrainConfig):
+    """Direct preference optimisation: the train loop's knobs, plus beta and the reference.
+
+    The policy starts from ``init_from`` (the SFT model); the reference is that same
+    model, frozen, its log-probabilities computed once per pair and cached.
+    """
+
+    YAML_NAMES: ClassVar[dict[str, str]] = {"max_lr": "lr"}
+
+    max_steps: int = 100
+    max_lr: float = 5e-5
+    warmup: float = 0.1
+    weight_decay: float = 0.0
+    init_from: str | None = "models/sft"
+    # The KL penalty's strength: larger keeps the policy closer to the reference.
+    # (Attention always restarts at each sequence of a packed row: a rejected response
+    # must never see its pair's chosen one.)
+    beta: float = 0.1
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.init_from:
+            raise ConfigError("dpo.init_from: name the model to start from (e.g. models/sft)")
+        if not self.beta > 0:
+            raise ConfigError(f"dpo.beta: {self.beta} must be > 0")
+
+
+@dataclass
+class HarnessConfig:
+    """lm-evaluation-harness on our models, offline, over task files shipped in the repo."""
+
+    # lm-eval YAML task files over local JSONL (nothing is downloaded).
+    task_dir: str = "data/tasks/demo"
+    tasks: list[str] = field(default_factory=list)  # empty = every task in task_dir
+    # Label -> model directory; each is exported to Hugging Face format and evaluated.
+    models: dict[str, str] = field(default_factory=lambda: {
+        "base": "models/final", "sft": "models/sft", "dpo": "models/dpo"})
+    batch_size: int = 32
+    limit: int = 0  # items per task; 0 = all
+    device: str = "auto"
+
+    def validate(self) -> None:
+        _positive(self, "batch_size")
+        _non_negative(self, "limit")
+        if not self.models:
+            raise ConfigError("harness.models: name at least one model directory")
+
+
+@dataclass
 class EvaluatePostConfig:
     """The evaluate_post stage: held-out tasks, forgetting, chat samples."""
 
     test: str = "data/instructions/demo/test.jsonl.gz"
     # Multiple-choice records (`choices`, `answer`); null = none.
     test_mc: str | None = "data/instructions/demo/test_mc.jsonl.gz"
+    # Held-out preference pairs (prompt/chosen/rejected); null = none.
+    test_pref: str | None = "data/preferences/demo/test.jsonl.gz"
     batch_size: int = 16
     # User messages answered by the base and the fine-tuned model in metrics/post_samples.md.
     prompts: list[str] = field(default_factory=lambda: ["Give the antonym of the adjective \"hot\"."])
@@ -542,7 +616,10 @@ class Params:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     sft_data: SftDataConfig = field(default_factory=SftDataConfig)
     sft: SftConfig = field(default_factory=SftConfig)
+    dpo_data: DpoDataConfig = field(default_factory=DpoDataConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     evaluate_post: EvaluatePostConfig = field(default_factory=EvaluatePostConfig)
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):

@@ -68,6 +68,12 @@ def post_training_lines(m: Path) -> list[str]:
         lines.append(f"sft       {sft['mode']}, {sft['trainable_params']:,} trained params, "
                      f"{sft['steps']} steps, replay {sft['replay_row_share']:g} of rows, "
                      f"{sft['wall_seconds']:.0f} s")
+    dpo = _load(m / "dpo.json")
+    if dpo:
+        lines.append(f"dpo       {dpo['mode']}, beta {dpo['beta']:g}, {dpo['steps']} steps, "
+                     f"{dpo['train_pairs']:,} pairs; val preference accuracy "
+                     f"{dpo['val_pref_accuracy']:.3f}, KL to reference "
+                     f"{dpo['val_kl_per_token']:.4f}/token, {dpo['wall_seconds']:.0f} s")
     if post:
         b, t = post["base"], post["sft"]
         lines.append(f"post      token accuracy {b['token_accuracy']:.3f} -> "
@@ -78,10 +84,16 @@ def post_training_lines(m: Path) -> list[str]:
             lines.append(f"          exact match {b['exact_match']:.3f} -> "
                          f"{t['exact_match']:.3f}, multiple choice {b['mc_acc']:.3f} -> "
                          f"{t['mc_acc']:.3f} (chance {t['mc_chance']:.2f})")
-        forgot = post.get("forgetting_bits_per_byte", {})
-        if "mix_weighted" in forgot:
-            lines.append(f"          forgetting: val bits/byte {forgot['mix_weighted']:+.3f} "
-                         "(mixture-weighted; per domain in metrics/forgetting.md)")
+        d = post.get("dpo")
+        if d and "pref_accuracy" in d:
+            lines.append(f"          preference accuracy {b['pref_accuracy']:.3f} / "
+                         f"{t['pref_accuracy']:.3f} / {d['pref_accuracy']:.3f} "
+                         "(base / sft / dpo, held-out pairs, chance 0.5)")
+        for name, forgot in post.get("forgetting_bits_per_byte", {}).items():
+            if "mix_weighted" in forgot:
+                lines.append(f"          forgetting ({name}): val bits/byte "
+                             f"{forgot['mix_weighted']:+.3f} (mixture-weighted; per domain "
+                             "in metrics/forgetting.md)")
     return lines
 
 

@@ -27,25 +27,25 @@ DOMAIN = "instructions"
 SHOW_REJECTS = 10
 
 
-def source_files(patterns: list[str]) -> list[Path]:
-    """The files ``sft_data.sources`` names, in order; a pattern matching nothing is an error."""
+def source_files(patterns: list[str], key: str = "sft_data.sources") -> list[Path]:
+    """The files ``key`` names, in order; a pattern matching nothing is an error."""
     files: list[Path] = []
     for pattern in patterns:
         matched = sorted(glob.glob(pattern, recursive=True))
         if not matched:
-            raise InputError(f"sft_data.sources: {pattern} matches no file")
+            raise InputError(f"{key}: {pattern} matches no file")
         files.extend(Path(m) for m in matched if Path(m) not in files)
     return files
 
 
-def write_split(directory: Path, packed: Packed, tok: Tokenizer, seq_len: int
-                ) -> dict[str, Any]:
-    """One split as a masked shard set; returns its manifest."""
+def write_split(directory: Path, packed: Packed, tok: Tokenizer, seq_len: int,
+                **extra: Any) -> dict[str, Any]:
+    """One split as a masked shard set (``extra`` goes into its manifest); its manifest."""
     writer = ShardWriter(directory, tok.vocab_size, tok.sha256, [DOMAIN],
                          shard_tokens=1 << 30, loss_mask=True)
     writer.add(packed.tokens, packed.doc_lengths, packed.doc_bytes,
                np.zeros(len(packed.doc_lengths), np.int64), packed.mask)
-    return writer.close({"rows": packed.rows, "seq_len": seq_len})
+    return writer.close({"rows": packed.rows, "seq_len": seq_len, **extra})
 
 
 def split_metrics(packed: Packed, seq_len: int) -> dict[str, Any]:
@@ -88,3 +88,4 @@ def build(cfg: SftDataConfig, tokenizer_path: Path, out: Path) -> dict[str, Any]
     metrics["files"] = [str(f) for f in source_files(cfg.sources)]
     metrics["first_rejects"] = [r.message() for r in result.rejects[:SHOW_REJECTS]]
     return metrics
+

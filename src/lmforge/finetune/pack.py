@@ -78,12 +78,18 @@ def pack(items: Sequence[Rendered], seq_len: int, pad_id: int,
          reply_bytes: Sequence[int]) -> Packed:
     """Pack ``items`` into rows of ``seq_len`` tokens (see the module docstring)."""
     bins = bins_best_fit([len(it.ids) for it in items], seq_len)
+    return pack_groups(items, bins, seq_len, pad_id, reply_bytes)
+
+
+def pack_groups(items: Sequence[Rendered], groups: Sequence[Sequence[int]], seq_len: int,
+                pad_id: int, reply_bytes: Sequence[int]) -> Packed:
+    """One row per group of item indices (in that order), padded to ``seq_len``."""
     tokens: list[np.ndarray] = []
     masks: list[np.ndarray] = []
     lengths: list[int] = []
     nbytes: list[int] = []
     pad_total = 0
-    for members in bins:
+    for members in groups:
         used = 0
         for i in members:
             tokens.append(np.asarray(items[i].ids, np.int64))
@@ -91,6 +97,8 @@ def pack(items: Sequence[Rendered], seq_len: int, pad_id: int,
             lengths.append(len(items[i].ids))
             nbytes.append(int(reply_bytes[i]))
             used += len(items[i].ids)
+        if used > seq_len:
+            raise ValueError(f"a row of {used} tokens > seq_len {seq_len}")
         pad = seq_len - used
         tokens.append(np.full(pad, pad_id, np.int64))
         masks.append(np.zeros(pad, np.uint8))
@@ -103,5 +111,5 @@ def pack(items: Sequence[Rendered], seq_len: int, pad_id: int,
         lengths[-1] += 1
     pad_total += 1
     return Packed(np.concatenate(tokens), np.concatenate(masks),
-                  np.asarray(lengths, np.int64), np.asarray(nbytes, np.int64), len(bins),
+                  np.asarray(lengths, np.int64), np.asarray(nbytes, np.int64), len(groups),
                   pad_total)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,11 +51,15 @@ DEFAULT_MAX_RECORD_BYTES = 64 * 1024 * 1024  # as ingest.max_record_bytes
 
 @dataclass(frozen=True)
 class Example:
-    """One kept conversation: the file, its 1-based line, and its turns."""
+    """One kept record: the file, its 1-based line, and its turns.
+
+    ``turns`` is what the reader's ``parse`` returned: a conversation's turns, or for a
+    preference record a ``lmforge.finetune.preferences.Pair``.
+    """
 
     file: str
     line: int
-    turns: tuple[Turn, ...]
+    turns: Any
 
 
 @dataclass(frozen=True)
@@ -160,9 +164,14 @@ def parse_record(obj: dict[str, Any]) -> tuple[Turn, ...]:
     return tuple(turns)
 
 
-def iter_examples(path: str | Path, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
-                  ) -> Iterator[tuple[int, tuple[Turn, ...]] | Reject]:
+Parser = Callable[[dict[str, Any]], Any]
+
+
+def iter_examples(path: str | Path, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+                  parse: Parser = parse_record) -> Iterator[tuple[int, Any] | Reject]:
     """(line, turns) for each good record of a JSON-lines file, a ``Reject`` for each bad one.
+
+    ``parse`` turns a JSON object into the record (``BadRecord`` when it is not one).
 
     Blank lines are not records. A file that is one JSON array (Alpaca's original
     ``alpaca_data.json``) is an ``InputError`` naming the fix, not a reject per line.
@@ -182,7 +191,7 @@ def iter_examples(path: str | Path, max_record_bytes: int = DEFAULT_MAX_RECORD_B
                                          "per line); convert it with: jq -c '.[]'")
                 if not raw.strip():
                     continue
-                yield _parse_line(lineno, raw)
+                yield _parse_line(lineno, raw, parse)
     except (EOFError, OSError, zlib.error) as e:
         yield readers._stream_error(lineno + 1, e)
     except Exception as e:  # zstandard.ZstdError and friends: a broken file, not a bug
@@ -192,7 +201,7 @@ def iter_examples(path: str | Path, max_record_bytes: int = DEFAULT_MAX_RECORD_B
             raise
 
 
-def _parse_line(lineno: int, raw: bytes) -> tuple[int, tuple[Turn, ...]] | Reject:
+def _parse_line(lineno: int, raw: bytes, parse: Parser) -> tuple[int, Any] | Reject:
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -206,19 +215,20 @@ def _parse_line(lineno: int, raw: bytes) -> tuple[int, tuple[Turn, ...]] | Rejec
     if not isinstance(obj, dict):
         return Reject(lineno, readers.NOT_AN_OBJECT, f"a JSON {_type_name(obj)}, not an object")
     try:
-        return lineno, parse_record(obj)
+        return lineno, parse(obj)
     except BadRecord as e:
         return Reject(lineno, e.reason, e.detail)
 
 
 def read_examples(paths: Iterable[str | Path],
-                  max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> ReadResult:
+                  max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+                  parse: Parser = parse_record) -> ReadResult:
     """Read every file, in order: kept examples, rejects and counts."""
     result = ReadResult()
     for path in paths:
         name = str(path)
         before = result.counts.n_in
-        for rec in iter_examples(path, max_record_bytes):
+        for rec in iter_examples(path, max_record_bytes, parse):
             if isinstance(rec, Reject):
                 result.reject(name, rec.pos, rec.reason, rec.detail)
                 continue

@@ -15,6 +15,7 @@ from lmforge.train.telemetry import format_duration
 
 SHARDS = Path("data/shards")
 SFT = Path("data/sft")
+DPO = Path("data/dpo")
 TOKENIZER = Path("models/tokenizer/tokenizer.model")
 
 
@@ -46,17 +47,21 @@ def current_identity(params: Params, shards: Path = SHARDS,
 
 
 def current_sft_identity(params: Params, sft: Path = SFT, shards: Path = SHARDS,
-                         tokenizer: Path = TOKENIZER) -> dict[str, Any]:
-    """The identity of the fine-tuning run params.yaml's ``sft`` section would train now.
+                         tokenizer: Path = TOKENIZER, stage: str = "sft") -> dict[str, Any]:
+    """The identity of the fine-tuning run params.yaml's ``sft`` (or ``dpo``) section would
+    train now.
 
     As for pretraining, parts the workspace cannot tell are left out: the base model's
-    architecture without its config.json, the data without the sft shards.
+    architecture without its config.json, the data without the stage's shards.
     """
     from lmforge.config import ModelConfig, from_dict
     from lmforge.shards.format import file_sha256
     from lmforge.train.warm_start import weights_sha256
 
-    cfg = params.sft
+    cfg = params.sft if stage == "sft" else params.dpo
+    replaying = stage == "sft" and params.sft.replay > 0
+    default_len = params.sft_data.seq_len if stage == "sft" else params.dpo_data.seq_len
+    doc_mask = params.sft.doc_mask if stage == "sft" else True  # DPO always masks
     manifests = [sft / split / "manifest.json" for split in ("train", "val")]
     have_data = all(m.is_file() for m in manifests)
     loaded = [json.loads(m.read_text(encoding="utf-8")) if have_data else {}
@@ -70,15 +75,15 @@ def current_sft_identity(params: Params, sft: Path = SFT, shards: Path = SHARDS,
 
         base = from_dict(ModelConfig, json.loads(base_cfg.read_text())["model"], "model.")
         model = dataclasses.replace(base, seq_len=int(loaded[0].get("seq_len", 0))
-                                    or params.sft_data.seq_len, doc_mask=cfg.doc_mask)
+                                    or default_len, doc_mask=doc_mask)
     identity = ckpt.run_identity(
         model, cfg, cfg.nproc, loaded[0], loaded[1],
         file_sha256(tokenizer) if tokenizer.is_file() else "",
         weights_sha256(init) if init.exists() else None,
         replay_manifest=(json.loads(replay.read_text(encoding="utf-8"))
-                         if cfg.replay > 0 and replay.is_file() else None),
-        stage="sft")
-    if not have_data or (cfg.replay > 0 and not replay.is_file()):
+                         if replaying and replay.is_file() else None),
+        stage=stage)
+    if not have_data or (replaying and not replay.is_file()):
         del identity["data"]
     if not tokenizer.is_file():
         del identity["tokenizer_sha256"]
@@ -88,8 +93,9 @@ def current_sft_identity(params: Params, sft: Path = SFT, shards: Path = SHARDS,
 
 
 def current_identities(params: Params) -> dict[str, dict[str, Any]]:
-    """What params.yaml trains now, by stage (``train``, ``sft``)."""
-    return {"train": current_identity(params), "sft": current_sft_identity(params)}
+    """What params.yaml trains now, by stage (``train``, ``sft``, ``dpo``)."""
+    return {"train": current_identity(params), "sft": current_sft_identity(params),
+            "dpo": current_sft_identity(params, DPO, stage="dpo")}
 
 
 def _stage_of(run: RunInfo) -> str:

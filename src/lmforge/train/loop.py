@@ -51,6 +51,41 @@ class TrainData:
     # Fine-tuning: pretraining shards whose windows fill ``replay_share`` of the rows.
     replay: Any = None
     replay_share: float = 0.0
+    # What a micro-batch's loss is and how val is scored; None = next-token prediction.
+    objective: Any = None
+
+
+class NextToken:
+    """The objective of pretraining and SFT: mean cross-entropy over the target tokens.
+
+    An objective tells the loop what one micro-batch weighs (``count``: its share of the
+    step is count / the step's total), its mean loss, and the val figures. ``stats``
+    names the extra per-step sums ``loss`` returns (none here; DPO has its own).
+    """
+
+    # The first counts the items the others are sums over (means are sum / count).
+    stats: tuple[str, ...] = ()
+
+    def make_loader(self, data: TrainData, seq_len: int, batch_size: int, seed: int,
+                    env: DistEnv, doc_mask: bool) -> Any:
+        """This rank's training batches."""
+        return open_loader(data, seq_len, batch_size, seed, env, doc_mask)
+
+    def count(self, batch: list[torch.Tensor]) -> int:
+        """Target tokens in the micro-batch."""
+        return int((batch[1] != IGNORE_INDEX).sum())
+
+    def loss(self, model: torch.nn.Module, batch: list[torch.Tensor]
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(mean loss over the batch's targets, per-step stat sums or None)."""
+        extra = {"positions": batch[2]} if len(batch) > 2 else {}
+        _, loss = model(batch[0], batch[1], **extra)
+        return loss, None
+
+    def evaluate(self, model: Llama, data: TrainData, params: Params, precision: Precision,
+                 env: DistEnv) -> dict[str, float]:
+        """``{"val_loss": mixture-weighted val loss}``."""
+        return {"val_loss": evaluate_loss(model, data, params, precision, env)}
 
 
 def open_shard_data(train_dir: str | Path, val_dir: str | Path) -> TrainData:
@@ -80,6 +115,7 @@ class _Interval:
     excluded: float = 0.0  # seconds spent in eval / checkpoints, not training
     loss_sum: float = 0.0
     loss_n: int = 0
+    stats: dict[str, float] = field(default_factory=dict)  # the objective's step sums
 
 
 def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer_sha256: str,
@@ -121,7 +157,9 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     if cfg.probe_micro_batch:
         micro_batch, accum = probe_micro_batch(model, optimizer, precision, mcfg, cfg, vocab,
                                                device, log)
-    loader = open_loader(data, mcfg.seq_len, micro_batch, cfg.seed, env, mcfg.doc_mask)
+    objective = data.objective or NextToken()
+    loader = objective.make_loader(data, mcfg.seq_len, micro_batch, cfg.seed, env,
+                                   mcfg.doc_mask)
     if cfg.init_from:  # runs prune their own old checkpoints (keep_last)
         ensure_outside(cfg.init_from, checkpoint_dir, "where runs prune their checkpoints")
     identity = ckpt.run_identity(mcfg, cfg, env.world_size, data.train.manifest,
@@ -135,8 +173,8 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
 
     with contextlib.ExitStack() as held:
         run_dir = _open_run_dir(checkpoint_dir, fp, identity, cfg.max_steps, env, held, log)
-        return _train_run(params, data, model, optimizer, precision, scaler, loader,
-                          micro_batch, accum, run_dir, fp, start_note, env, track,
+        return _train_run(params, data, objective, model, optimizer, precision, scaler,
+                          loader, micro_batch, accum, run_dir, fp, start_note, env, track,
                           prompts, decode, log, stage)
 
 
@@ -168,7 +206,7 @@ def _open_run_dir(root: Path, fp: str, identity: dict[str, Any], max_steps: int,
     return directory
 
 
-def _train_run(params: Params, data: TrainData, model: Llama,
+def _train_run(params: Params, data: TrainData, objective: Any, model: Llama,
                optimizer: torch.optim.Optimizer, precision: Precision,
                scaler: torch.amp.GradScaler, loader: Any, micro_batch: int, accum: int,
                checkpoint_dir: Path, fp: str, start_note: str | None, env: DistEnv,
@@ -181,7 +219,7 @@ def _train_run(params: Params, data: TrainData, model: Llama,
     state = _load_resume_state(checkpoint_dir, fp, env, log)
     progress = _Progress()
     if state is not None:
-        progress = _restore(state, model, optimizer, scaler, loader, env)
+        progress = _restore(state, model, optimizer, scaler, loader, env, objective)
         log(f"train: resuming from {state['path']} at step {progress.step}/{cfg.max_steps}")
         del state
     elif start_note:
@@ -216,7 +254,8 @@ def _train_run(params: Params, data: TrainData, model: Llama,
             f"{precision.name} on {device}" + (f" x{env.world_size}" if ddp else "")
             + f", {how}")
     t0 = time.perf_counter()
-    interval = _Interval(start_step=step, loss_sum=progress.loss_sum, loss_n=progress.loss_n)
+    interval = _Interval(start_step=step, loss_sum=progress.loss_sum, loss_n=progress.loss_n,
+                         stats=dict(progress.stats))
     bad_streak, overflow_streak, last_good_ckpt = 0, 0, progress.resumed_from
     status = "FAILED"
     try:
@@ -225,9 +264,9 @@ def _train_run(params: Params, data: TrainData, model: Llama,
             for group in optimizer.param_groups:
                 group["lr"] = lr
             try:
-                loss_val, grad_norm = _optimizer_step(step_model, ddp, model, optimizer, scaler,
-                                                      precision, loader, accum, cfg.grad_clip,
-                                                      env)
+                loss_val, grad_norm, stats = _optimizer_step(
+                    step_model, ddp, model, optimizer, scaler, precision, loader, accum,
+                    cfg.grad_clip, env, objective)
             except TorchDynamoException as e:
                 if fallback is None:  # not the first compiled step
                     raise
@@ -251,6 +290,8 @@ def _train_run(params: Params, data: TrainData, model: Llama,
                 bad_streak = 0
                 interval.loss_sum += loss_val
                 interval.loss_n += 1
+                for name, value in stats.items():
+                    interval.stats[name] = interval.stats.get(name, 0.0) + value
             elif not (precision.name == "fp16" and math.isfinite(loss_val)):
                 # (fp16 overflow in the grads is routine: GradScaler skips and rescales.)
                 skipped += 1
@@ -270,10 +311,10 @@ def _train_run(params: Params, data: TrainData, model: Llama,
                                           cfg.max_steps, run, log)
             paused = time.perf_counter()
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
-                val = evaluate_loss(model, data, params, precision, env)
-                history.setdefault(step, {"step": step})["val_loss"] = val
-                run.log_metrics({"val_loss": val}, step)
-                log(f"train: step {step}: val_loss {val:.4f}")
+                vals = objective.evaluate(model, data, params, precision, env)
+                history.setdefault(step, {"step": step}).update(vals)
+                run.log_metrics(vals, step)
+                log(f"train: step {step}: " + _figures(vals))
             if env.is_main and cfg.sample_every and step % cfg.sample_every == 0:
                 log_samples(model, prompts or [], decode, cfg.seed, step, run)
             if cfg.light_every and step % cfg.light_every == 0 and env.is_main:
@@ -284,19 +325,21 @@ def _train_run(params: Params, data: TrainData, model: Llama,
             if (step % cfg.ckpt_every == 0 or step == cfg.max_steps) and bad_streak == 0:
                 done = _Progress(step, tokens_seen, skipped, history, run.run_id, None,
                                  progress.wall_seconds + time.perf_counter() - t0,
-                                 interval.loss_sum, interval.loss_n)
+                                 interval.loss_sum, interval.loss_n, dict(interval.stats))
                 path = _save(checkpoint_dir, fp, done, model, optimizer, scaler, loader, env,
-                             cfg.keep_last)
+                             cfg.keep_last, objective)
                 last_good_ckpt = path or last_good_ckpt
             interval.excluded += time.perf_counter() - paused
 
-        val = evaluate_loss(model, data, params, precision, env)
-        history.setdefault(step, {"step": step})["val_loss"] = val
+        vals = objective.evaluate(model, data, params, precision, env)
+        val = vals["val_loss"]
+        history.setdefault(step, {"step": step}).update(vals)
         rows = [history[s] for s in sorted(history)]
         metrics = _final_metrics(rows, val, step, tokens_seen, skipped, model, precision, env,
                                  progress, progress.wall_seconds + time.perf_counter() - t0)
+        metrics.update({k: v for k, v in vals.items() if k != "val_loss"})
         run.log_metrics({"final_val_loss": val, "skipped_steps": skipped}, step)
-        log(f"train: done, step {step}, val_loss {val:.4f}")
+        log(f"train: done, step {step}, " + _figures(vals))
         status = "FINISHED"
         return TrainResult(model, metrics, rows, run.run_id, fp)
     except KeyboardInterrupt:
@@ -310,6 +353,10 @@ def _train_run(params: Params, data: TrainData, model: Llama,
 
 def _silent(_: str) -> None:
     pass
+
+
+def _figures(values: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.4f}" for k, v in values.items())
 
 
 def make_reproducible(device: torch.device) -> None:
@@ -356,10 +403,12 @@ class _Progress:
     wall_seconds: float = 0.0  # training time of the sessions so far
     loss_sum: float = 0.0  # the open log interval, so resumed logs match uninterrupted ones
     loss_n: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
 
 
 def _restore(state: dict[str, Any], model: Llama, optimizer: torch.optim.Optimizer,
-             scaler: torch.amp.GradScaler, loader: Any, env: DistEnv) -> _Progress:
+             scaler: torch.amp.GradScaler, loader: Any, env: DistEnv,
+             objective: Any = None) -> _Progress:
     """Load a checkpoint into the live objects; return the run's progress."""
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
@@ -367,11 +416,14 @@ def _restore(state: dict[str, Any], model: Llama, optimizer: torch.optim.Optimiz
         scaler.load_state_dict(state["scaler"])
     mine = state["ranks"][env.rank]
     loader.load_state_dict(mine["loader"])
+    if mine.get("objective") is not None and objective is not None:
+        objective.load_state_dict(mine["objective"])
     ckpt.restore_rng(mine["rng"], env.device)
     p = state["progress"]
     return _Progress(p["step"], p["tokens_seen"], p["skipped"],
                      {row["step"]: row for row in p["history"]}, p["run_id"],
-                     Path(state["path"]).name, p["wall_seconds"], p["loss_sum"], p["loss_n"])
+                     Path(state["path"]).name, p["wall_seconds"], p["loss_sum"], p["loss_n"],
+                     p.get("stats", {}))
 
 
 def _final_metrics(rows: list[dict], val: float, step: int, tokens: int, skipped: int,
@@ -399,8 +451,10 @@ def _final_metrics(rows: list[dict], val: float, step: int, tokens: int, skipped
 def _optimizer_step(step_model: torch.nn.Module, ddp: DistributedDataParallel | None,
                     model: Llama, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler, precision: Precision, loader: Any,
-                    accum: int, clip: float, env: DistEnv) -> tuple[float, float]:
-    """One optimizer step over ``accum`` micro-batches -> (mean loss, grad norm pre-clip).
+                    accum: int, clip: float, env: DistEnv, objective: Any = None
+                    ) -> tuple[float, float, dict[str, float]]:
+    """One optimizer step over ``accum`` micro-batches -> (mean loss, grad norm pre-clip,
+    the objective's stat sums over the step's micro-batches and ranks).
 
     The loss is the mean over every target token of the step (all micro-batches, all
     ranks): each micro-batch weighs by its share of those tokens, so one with few targets
@@ -412,22 +466,25 @@ def _optimizer_step(step_model: torch.nn.Module, ddp: DistributedDataParallel | 
     optimizer step; loss and grad norm travel in it, so logging costs nothing more.
     """
     # (inputs, targets) or, with document masking, (inputs, targets, positions).
+    objective = objective or NextToken()
     batches = [[torch.as_tensor(t) for t in loader.next_batch()] for _ in range(accum)]
-    counts = [int((b[1] != IGNORE_INDEX).sum()) for b in batches]
+    counts = [objective.count(b) for b in batches]
     # Pretraining windows (no loss mask) are all targets on every rank: the step's count
     # is known without asking the other ranks.
     masked = getattr(getattr(loader, "shards", None), "has_loss_mask", True)
     total = _step_target_count(sum(counts), env) if masked else sum(counts) * env.world_size
     loss_sum = torch.zeros((), device=env.device)
+    stat_sums = torch.zeros(len(objective.stats), device=env.device)
     for micro, (host, count) in enumerate(zip(batches, counts, strict=True)):
         batch = [t.to(env.device, non_blocking=True) for t in host]
-        extra = {"positions": batch[2]} if len(batch) > 2 else {}
         # Gradients are all-reduced only on the last micro-batch.
         sync = (ddp.no_sync() if ddp is not None and micro < accum - 1
                 else contextlib.nullcontext())
         with sync:
             with precision.autocast():
-                _, loss = step_model(batch[0], batch[1], **extra)
+                loss, stats = objective.loss(step_model, batch)
+            if stats is not None:
+                stat_sums += stats.detach().float()
             if count:
                 # DDP averages over ranks, hence the world size in the share.
                 weighted = loss / (total / (count * env.world_size))
@@ -443,12 +500,14 @@ def _optimizer_step(step_model: torch.nn.Module, ddp: DistributedDataParallel | 
                         else dist.ReduceOp.SUM)
         if env.device.type != "cuda":  # gloo has no AVG
             stats /= env.world_size
+        if len(objective.stats):
+            dist.all_reduce(stat_sums)  # sums over ranks
     loss_val, norm_val = stats.tolist()
     if math.isfinite(loss_val) and (math.isfinite(norm_val) or scaler.is_enabled()):
         scaler.step(optimizer)  # with fp16, skips by itself when the grads overflowed
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return loss_val, norm_val
+    return loss_val, norm_val, dict(zip(objective.stats, stat_sums.tolist(), strict=True))
 
 
 def _step_target_count(local: int, env: DistEnv) -> int:
@@ -512,16 +571,32 @@ def _log_step(step: int, lr: float, grad_norm: float, interval: _Interval, skipp
     metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
                "skipped_steps": skipped, "memory_mb": memory_mb(device),
                "tflops": steps * flops_per_step / seconds / 1e12}
+    averaged = _stat_means(interval.stats)
+    metrics.update(averaged)
     if peak:
         metrics["mfu"] = metrics["tflops"] * 1e12 / peak
     run.log_metrics(metrics, step)
     eta = (max_steps - step) * seconds / max(steps, 1)
     log(f"step {step:>6}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
-        f"grad_norm {grad_norm:.3f} | {tps:,.0f} tok/s | eta {format_duration(eta)}")
+        f"grad_norm {grad_norm:.3f} | {tps:,.0f} tok/s | eta {format_duration(eta)}"
+        + "".join(f" | {k} {v:.3f}" for k, v in averaged.items()))
     interval.start_time, interval.start_step, interval.excluded = now, step, 0.0
-    interval.loss_sum, interval.loss_n = 0.0, 0
+    interval.loss_sum, interval.loss_n, interval.stats = 0.0, 0, {}
     return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-            "tokens_per_sec": tps}
+            "tokens_per_sec": tps, **averaged}
+
+
+def _stat_means(sums: dict[str, float]) -> dict[str, float]:
+    """An objective's interval sums as means over the items the first stat counts.
+
+    Objectives return sums (e.g. ``pairs``, then per-pair figures summed), so a mean
+    over micro-batches, ranks and steps weighs every item once.
+    """
+    if not sums:
+        return {}
+    names = list(sums)
+    n = sums[names[0]]
+    return {name: sums[name] / n if n else float("nan") for name in names[1:]}
 
 
 def log_samples(model: Llama, prompts: list[tuple[str, list[int]]],
@@ -567,10 +642,12 @@ def _load_resume_state(directory: Path, fp: str, env: DistEnv,
 
 def _save(directory: Path, fp: str, progress: _Progress, model: Llama,
           optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, loader: Any,
-          env: DistEnv, keep_last: int) -> str | None:
-    """Gather every rank's loader and RNG state; rank 0 writes the checkpoint."""
-    ranks = all_gather_objects({"loader": loader.state_dict(),
-                                "rng": ckpt.capture_rng(env.device)}, env)
+          env: DistEnv, keep_last: int, objective: Any = None) -> str | None:
+    """Gather every rank's loader, RNG and objective state; rank 0 writes the checkpoint."""
+    mine = {"loader": loader.state_dict(), "rng": ckpt.capture_rng(env.device)}
+    if hasattr(objective, "state_dict"):  # e.g. DPO's reference cache, per rank
+        mine["objective"] = objective.state_dict()
+    ranks = all_gather_objects(mine, env)
     if not env.is_main:
         return None
     p = dataclasses.asdict(progress)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmforge.config import ModelConfig, Params
+from lmforge.config import ModelConfig, Params, TrainConfig
 from lmforge.errors import InputError
 from lmforge.io import write_json, write_text
 from lmforge.model.lora import adamw_state_bytes, merge_lora, save_adapter, trainable_parameters
@@ -112,23 +112,33 @@ def run_sft_stage(params: Params, paths: SftPaths, module: str = "stages.sft") -
 def write_sft_outputs(result: TrainResult, params: Params, data: TrainData, paths: SftPaths,
                       tokenizer_sha: str) -> None:
     """models/sft (merged; + adapter/ with LoRA), metrics/sft.json, plots/sft*.tsv."""
-    model = result.model
-    trained = trainable_parameters(model)
-    lora = params.sft.lora is not None
-    merged = merge_lora(copy.deepcopy(model)) if lora else model
-    save_model(merged, paths.final, paths.tokenizer, special_ids=special_ids(paths.tokenizer),
-               tokenizer_sha256=tokenizer_sha, fingerprint=result.fingerprint,
-               init_from=params.sft.init_from)
-    if lora:
-        save_adapter(model, paths.final / "adapter",
-                     {"base_model_sha256": file_sha256(Path(params.sft.init_from)
-                                                       / "model.safetensors")
-                      if Path(params.sft.init_from).is_dir() else None})
-    write_json(paths.final / "run.json", {"mlflow_run_id": result.run_id})
+    trained = save_tuned(result, params.sft, paths.final, paths.tokenizer, tokenizer_sha)
     write_json(paths.metrics, {**result.metrics, **sft_facts(params, data, trained)})
     write_text(paths.plots, history_tsv(result.history))
     write_text(paths.val_plots, history_tsv(
         [r for r in result.history if r.get("val_loss") is not None], VAL_TSV_COLUMNS))
+
+
+def save_tuned(result: TrainResult, cfg: TrainConfig, final: Path, tokenizer: Path,
+               tokenizer_sha: str) -> int:
+    """A fine-tuned model to ``final``: merged, plus ``adapter/`` with LoRA, and run.json.
+
+    Returns the number of parameters that trained.
+    """
+    model = result.model
+    trained = trainable_parameters(model)
+    lora = cfg.lora is not None
+    merged = merge_lora(copy.deepcopy(model)) if lora else model
+    save_model(merged, final, tokenizer, special_ids=special_ids(tokenizer),
+               tokenizer_sha256=tokenizer_sha, fingerprint=result.fingerprint,
+               init_from=cfg.init_from)
+    if lora:
+        init = Path(cfg.init_from or "")
+        save_adapter(model, final / "adapter",
+                     {"base_model_sha256": file_sha256(init / "model.safetensors")
+                      if init.is_dir() else None})
+    write_json(final / "run.json", {"mlflow_run_id": result.run_id})
+    return trained
 
 
 def sft_facts(params: Params, data: TrainData, trained: int) -> dict[str, Any]:
