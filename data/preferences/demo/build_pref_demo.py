@@ -8,9 +8,14 @@ conversational shape plus provenance fields::
     {"prompt": [{"role": "user", "content": ...}],
      "chosen": [{"role": "assistant", "content": <the record's assistant answer>}],
      "rejected": [{"role": "assistant", "content": <a plausible wrong answer>}],
-     "task": ..., "source_id": ..., "lang": ..., "rejected_kind": "related" | "corrupted"}
+     "task": ..., "source_id": ..., "lang": ...,
+     "rejected_kind": "truncated" | "repeated" | "corrupted" | "related"}
 
-Rejected answers are of two kinds:
+Rejected answers are of four kinds, drawn per record in the shares of ``KIND_WEIGHTS``
+(a record whose kind cannot apply gets a related answer):
+
+- ``truncated``: the answer cut off before its end (``cut_short``).
+- ``repeated``: the answer with its end repeated in a loop (``repeat_tail``).
 
 - ``related``: the answer of another record of the same task and language and split
   (another word's antonym, another poem's line, another function's signature, ...),
@@ -26,9 +31,8 @@ Rejected answers are of two kinds:
   still use it well).
   Single-word tasks (wn_synonym, wn_antonym, poem_author) only get ``related``.
 
-In every task where corruption applies, a seeded half of the records is marked for
-corruption; a record whose answer cannot be corrupted (a signature without parameters,
-a two-word definition without content words) falls back to ``related``. A rejected
+A record whose answer cannot be corrupted (a single word, a signature without
+parameters, a two-word definition without content words) falls back to ``related``. A rejected
 answer never equals (after strip, ignoring case) the chosen answer or any of the
 record's accepted ``answers``; the builder asserts that, and that no test prompt is a
 train prompt. Test pairs draw related answers and replacement words from the test split
@@ -341,13 +345,46 @@ def corrupt_text(rec: Record, pool_words: list[str], headwords: list[str],
 # --------------------------------------------------------------------------- building
 
 
+def cut_short(rec: Record, rng: random.Random) -> str | None:
+    """The answer cut off before its end: what a reply stopped too early looks like.
+
+    Text: ``truncate`` (inside a clause). A poem line: its first 2 to n-2 characters. A
+    signature: cut after the "(" or after one of its parameters' commas. A single word
+    or name: its first 40-70 % of characters (at least one).
+    """
+    text = rec.chosen
+    if rec.task in TEXT_TASKS:
+        return truncate(text, rng)
+    if rec.task in POEM_LINE_TASKS:
+        return text[: rng.randint(2, len(text) - 2)] if len(text) >= 4 else None
+    if rec.task == "py_signature":
+        cuts = [i + 1 for i, c in enumerate(text) if c in "(,"][:-1] or [text.find("(") + 1]
+        return text[: rng.choice(cuts)].rstrip() if cuts[0] > 0 else None
+    if len(text) < 2:
+        return None
+    return text[: max(1, rng.randint(math.ceil(len(text) * 0.4), int(len(text) * 0.7)))]
+
+
+def repeat_tail(rec: Record, rng: random.Random) -> str:
+    """The answer with its end repeated two or three more times: a degenerate loop."""
+    text = rec.chosen
+    if rec.lang == "zh":
+        tail = text[-rng.randint(1, min(2, len(text))):]
+        return text + tail * rng.randint(2, 3)
+    words = text.split()
+    tail = " ".join(words[-rng.randint(1, min(2, len(words))):])
+    return " ".join([text] + [tail] * rng.randint(2, 3))
+
+
+# The share of each kind of rejected answer; a record whose kind cannot apply (nothing
+# to corrupt, too short to cut) gets a related answer instead.
+KIND_WEIGHTS = {"truncated": 0.4, "repeated": 0.2, "corrupted": 0.2, "related": 0.2}
+KINDS = tuple(KIND_WEIGHTS)
+
+
 def build_task(task: str, records: list[Record], rng: random.Random) -> list[tuple[str, str]]:
     """(rejected answer, kind) for each record of one task of one split, in order."""
-    corrupt: set[int] = set()
-    if task in CORRUPTIBLE:
-        order = list(range(len(records)))
-        rng.shuffle(order)
-        corrupt = set(order[: len(records) // 2])
+    kinds = rng.choices(KINDS, weights=list(KIND_WEIGHTS.values()), k=len(records))
     chars = [c for r in records for c in r.chosen]
     pool_words = [m.group(0) for r in records for m in content_words(r.chosen)]
     param_names = [param_name(p) for r in records
@@ -355,7 +392,13 @@ def build_task(task: str, records: list[Record], rng: random.Random) -> list[tup
     out = []
     for i, rec in enumerate(records):
         rejected, kind = None, "related"
-        if i in corrupt:
+        if kinds[i] in ("truncated", "repeated"):
+            rejected = (cut_short(rec, rng) if kinds[i] == "truncated"
+                        else repeat_tail(rec, rng))
+            if rejected is not None and (not rejected.strip() or rec.accepts(rejected)):
+                rejected = None
+            kind = kinds[i] if rejected is not None else "related"
+        elif kinds[i] == "corrupted" and task in CORRUPTIBLE:
             if task in POEM_LINE_TASKS:
                 rejected = corrupt_line(rec.chosen, chars, rng)
             elif task == "py_signature":
@@ -401,7 +444,7 @@ def check(splits: dict[str, list[Record]], pairs: dict[str, list[dict]]) -> None
             rejected = pair["rejected"][0]["content"]
             assert pair["chosen"][0]["content"] == rec.chosen
             assert rejected.strip() and not rec.accepts(rejected), (rec, rejected)
-            assert pair["rejected_kind"] in ("related", "corrupted")
+            assert pair["rejected_kind"] in KINDS
     train_prompts = {r.prompt for r in splits["train"]}
     leaked = [r.prompt for r in splits["test"] if r.prompt in train_prompts]
     assert not leaked, f"test prompts in train: {leaked[:5]}"
@@ -420,14 +463,14 @@ def write_jsonl_gz(path: Path, rows: Iterable[dict]) -> int:
 def counts_table(pairs: dict[str, list[dict]]) -> str:
     """A markdown table of pairs per task, kind and split."""
     c = Counter((p["task"], p["rejected_kind"], s) for s, ps in pairs.items() for p in ps)
-    lines = ["| task | train related | train corrupted | test related | test corrupted |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+    lines = ["| task | " + " | ".join(f"{s} {k}" for s in SPLITS for k in KINDS) + " |",
+             "| --- |" + " ---: |" * (len(SPLITS) * len(KINDS))]
     tasks = sorted({t for t, _, _ in c})
     for task in [*tasks, "total"]:
         def n(kind: str, split: str, task: str = task) -> int:
             return sum(v for (t, k, s), v in c.items()
                        if k == kind and s == split and task in (t, "total"))
-        cells = [f"{n(k, s):,}" for s in SPLITS for k in ("related", "corrupted")]
+        cells = [f"{n(k, s):,}" for s in SPLITS for k in KINDS]
         name = "**total**" if task == "total" else task
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
