@@ -13,7 +13,7 @@ demo: setup
 	dvc repro
 	@echo
 	@python -m lmforge.summary
-	@echo "All metrics: dvc metrics show; samples: metrics/samples.md, metrics/post_samples.md; curves: dvc plots show; chat: lmforge chat"
+	@echo "All metrics: dvc metrics show; samples: metrics/samples.md, metrics/post_samples.md; lm-eval: metrics/harness.md; curves: dvc plots show; chat: lmforge chat"
 	@echo "MLflow UI: mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db  (then open http://127.0.0.1:5000)"
 
 test: setup

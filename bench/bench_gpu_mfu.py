@@ -125,7 +125,7 @@ def main() -> None:
             _sync(device)
             t0 = time.perf_counter()
             loss, _, _ = _optimizer_step(step_model, None, model, optimizer, scaler, precision,
-                                      loader, args.accum, cfg.grad_clip, env)
+                                         loader, args.accum, cfg.grad_clip, env)
             _sync(device)
             times.append(time.perf_counter() - t0)
             losses.append(loss)

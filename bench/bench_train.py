@@ -89,8 +89,8 @@ class Ours:
         for group in self.opt.param_groups:
             group["lr"] = lr
         loss, _, _ = _optimizer_step(self.step_model, None, self.model, self.opt, self.scaler,
-                                  self.precision, self.loader, self.cfg.grad_accum_steps,
-                                  self.cfg.grad_clip, CPU)
+                                     self.precision, self.loader, self.cfg.grad_accum_steps,
+                                     self.cfg.grad_clip, CPU)
         self.step += 1
         return loss
 

@@ -48,6 +48,7 @@ def tiny_params() -> dict:
     params["dpo"].update(max_steps=4, micro_batch_size=4, warmup=1, eval_every=2,
                          eval_batches=1, log_every=2, ckpt_every=2, compile=False)
     params["evaluate_post"].update(batch_size=8, max_new_tokens=8, prompts=["Hi"])
+    params["harness"].update(limit=6, batch_size=8)
     return params
 
 
@@ -103,6 +104,7 @@ def pipeline(tmp_path_factory, env) -> tuple[Path, str]:
     shutil.copytree(REPO / "src", root / "src",
                     ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     slice_demo(root / "data" / "raw" / "demo")
+    shutil.copytree(REPO / "data" / "tasks", root / "data" / "tasks")  # lm-eval's task files
     slice_records(INSTRUCTIONS, root / "data" / "instructions" / "demo",
                   {"train": 300, "test": 60, "test_mc": 20})
     slice_records(PREFERENCES, root / "data" / "preferences" / "demo",
@@ -173,10 +175,10 @@ def test_train_and_evaluate_outputs(pipeline):
     final = root / "models" / "final"
     for name in ("model.safetensors", "config.json", "tokenizer.model", "run.json"):
         assert (final / name).is_file(), name
-    # One pretraining run and one fine-tuning run, each in its own directory.
+    # One pretraining, one fine-tuning and one DPO run, each in its own directory.
     runs = {load(d / "run.json")["identity"].get("stage", "train"): d
             for d in (root / "models" / "checkpoints").iterdir()}
-    assert sorted(runs) == ["sft", "train"]
+    assert sorted(runs) == ["dpo", "sft", "train"]
     for run_dir in runs.values():
         assert list(run_dir.glob("step-*.pt"))
     train = load(root / "metrics" / "train.json")
@@ -237,8 +239,8 @@ def test_exp_run_train_param_skips_data_stages(pipeline, env):
     # never removed; the experiment's run has a directory of its own.
     assert load(root / "metrics" / "train.json")["resumed_from"] is None
     after = {d.name: sorted(p.name for p in d.glob("step-*.pt")) for d in ck.iterdir()}
-    # Two new runs: the experiment's pretraining and the fine-tuning of its model.
-    assert len(after) == len(before) + 2
+    # Three new runs: the experiment's pretraining and the fine-tuning and DPO of its model.
+    assert len(after) == len(before) + 3
     assert all(after[name] == files for name, files in before.items())
     diff = run(["dvc", "metrics", "diff", "HEAD", "--json"], root, env)
     assert "metrics/eval.json" in diff
@@ -304,7 +306,7 @@ def test_dpo_outputs(pipeline, env):
     assert c["in"] == 300 and c["kept"] + sum(c["rejected"].values()) == 300
     assert data["train"]["pairs"] + data["val"]["pairs"] == c["kept"]
     dpo = load(root / "metrics" / "dpo.json")
-    assert dpo["steps"] == 4 and dpo["mode"] == "full" and dpo["beta"] == 0.1
+    assert dpo["steps"] == 4 and dpo["mode"] == "full" and dpo["beta"] == 0.05
     for key in ("val_loss", "val_pref_accuracy", "val_reward_margin", "val_kl_per_token"):
         assert math.isfinite(dpo[key]), key
     assert dpo["val_kl_per_token"] > 0  # the policy moved away from its reference
@@ -315,6 +317,19 @@ def test_dpo_outputs(pipeline, env):
     assert len(rows) == 1 + 2  # logged at steps 2 and 4
     listing = run(["lmforge", "checkpoints"], root, env)
     assert "[dpo] (this is the run params.yaml trains)" in listing, listing
+
+
+def test_harness_scores_every_model_on_every_shipped_task(pipeline):
+    root, _ = pipeline
+    figures = load(root / "metrics" / "harness.json")
+    tasks = {p.stem for p in (REPO / "data" / "tasks" / "demo").glob("*.yaml")}
+    assert len(tasks) == 5 and set(figures["chance"]) == {f"demo_{t}" for t in tasks}
+    for model in ("base", "sft", "dpo"):
+        assert set(figures[model]) == set(figures["chance"])
+        for task, figs in figures[model].items():
+            assert figs["n"] == 6 and 0 <= figs["acc"] <= 1, (model, task)
+    table = (root / "metrics" / "harness.md").read_text(encoding="utf-8")
+    assert "| demo_pref_pairs |" in table and "chance" in table
 
 
 def test_exp_run_sft_param_reruns_only_post_training(pipeline, env):
@@ -328,7 +343,8 @@ def test_exp_run_sft_param_reruns_only_post_training(pipeline, env):
     for stage in ("ingest", "filter", "dedup", "mix", "tokenizer", "shards", "train",
                   "evaluate", "sft_data", "sft", "dpo_data"):
         assert f"Running stage '{stage}'" not in out, out[-3000:]
-    assert "Running stage 'dpo'" in out and "Running stage 'evaluate_post'" in out
+    for stage in ("dpo", "evaluate_post", "harness"):
+        assert f"Running stage '{stage}'" in out, out[-3000:]
     out = run(["dvc", "exp", "run", "-S", "sft_data.val_fraction=0.2"], root, env)
     for stage in ("ingest", "filter", "dedup", "mix", "tokenizer", "shards", "train",
                   "evaluate"):

@@ -237,8 +237,8 @@ def self_check(params: Params, data: Any = None, device: torch.device | str | No
         loader = _Repeat(state["batches"][0])
         losses = []
         for _ in range(2):
-            loss, norm = _optimizer_step(model, None, model, optimizer, scaler, precision,
-                                         loader, 1, cfg.grad_clip, env)
+            loss, norm, _ = _optimizer_step(model, None, model, optimizer, scaler, precision,
+                                            loader, 1, cfg.grad_clip, env)
             _expect(math.isfinite(loss) and math.isfinite(norm),
                     f"step loss {loss} / grad_norm {norm} not finite")
             losses.append(loss)
