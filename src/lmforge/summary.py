@@ -88,8 +88,11 @@ def post_training_lines(m: Path) -> list[str]:
         if d and "pref_accuracy" in d:
             lines.append(f"          preference accuracy {b['pref_accuracy']:.3f} / "
                          f"{t['pref_accuracy']:.3f} / {d['pref_accuracy']:.3f} "
-                         "(base / sft / dpo, held-out pairs, chance 0.5)")
-        for name, forgot in post.get("forgetting_bits_per_byte", {}).items():
+                         "(base / sft / dpo, held-out pairs, chance 0.5); dpo reward "
+                         f"accuracy {d.get('reward_accuracy', float('nan')):.3f}")
+        forgetting = post.get("forgetting_bits_per_byte", {})
+        for name in ("sft", "dpo"):
+            forgot = forgetting.get(name, {})
             if "mix_weighted" in forgot:
                 lines.append(f"          forgetting ({name}): val bits/byte "
                              f"{forgot['mix_weighted']:+.3f} (mixture-weighted; per domain "
