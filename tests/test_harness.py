@@ -182,9 +182,14 @@ def test_every_shipped_task_loads_in_lm_eval(tmp_path):
         assert task.doc_to_target(doc) == doc["answer"]
 
 
-def test_cli_errors_are_one_line(tmp_path, capsys):
+def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no params.yaml, no trained models: nothing from the repo
+    named = tmp_path / "named"
+    named.mkdir()
+    (named / "model.safetensors").write_bytes(b"")  # only checked for, never read here
     for argv, message in [
-        (["--tasks", "nope"], "no task 'nope'"),
+        (["--model", str(named), "--tasks", "nope"], "no task 'nope'"),
+        ([], "none of harness.models is trained yet"),
         (["--model", "a", "--model", "b", "--label", "x"], "1 --label for 2 --model"),
         (["--model", str(tmp_path)], "model.safetensors: no trained model"),
     ]:

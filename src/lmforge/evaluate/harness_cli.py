@@ -32,11 +32,12 @@ def cmd_harness(args: argparse.Namespace) -> None:
         models = {lb: Path(m) for lb, m in cfg.models.items()
                   if (Path(m) / "model.safetensors").is_file()}
         skipped = sorted(set(cfg.models) - set(models))
+        if not models:
+            raise InputError(f"{args.params}: none of harness.models is trained yet "
+                             f"({', '.join(str(m) for m in cfg.models.values())})")
         if skipped:
             print(f"eval harness: skipping {', '.join(skipped)} (not trained yet)",
                   file=sys.stderr)
-        if not models:
-            raise InputError(f"{args.params}: none of harness.models is trained yet")
     tasks = [t for t in args.tasks.split(",") if t] if args.tasks is not None else cfg.tasks
     started = time.perf_counter()
     result = run_harness(models, Path(args.task_dir or cfg.task_dir), tasks,
