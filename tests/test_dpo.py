@@ -163,24 +163,28 @@ def unpacked_logps(model: Llama, batch: list[torch.Tensor]) -> dict[int, torch.T
     return out
 
 
-def test_dpo_loss_and_gradients_match_a_direct_computation(pair_data, tokenizer):
+@pytest.mark.parametrize("nll_weight", [0.0, 0.5])
+def test_dpo_loss_and_gradients_match_a_direct_computation(pair_data, tokenizer, nll_weight):
     directory, _ = pair_data
     shards = ShardSet(directory / "train")
     batch = list(PairLoader(shards, SEQ, 4, seed=0).next_batch())
     vocab = shards.vocab_size
     policy, ref_model = tiny_model(vocab, 0), tiny_model(vocab, 1)
     beta = 0.3
-    objective = DpoObjective(beta, ref_model, len(shards.doc_ends), 1)
+    objective = DpoObjective(beta, ref_model, len(shards.doc_ends), 1, nll_weight)
     loss, stats = objective.loss(policy, batch)
     grads = torch.autograd.grad(loss, list(policy.parameters()))
 
     # Direct: every sequence on its own, log-probs summed by hand, the paper's formula.
+    # With nll_weight, plus that times the chosen reply's mean NLL per token (RPO).
     pol = unpacked_logps(policy, batch)
     with torch.no_grad():
         ref = unpacked_logps(ref_model, batch)
+    targets, docs = batch[1], batch[3]
+    length = {d: int(((docs == d) & (targets != IGNORE_INDEX)).sum()) for d in pol}
     pairs = sorted({d // 2 for d in pol})
     terms = [-F.logsigmoid(beta * ((pol[2 * p] - ref[2 * p]) - (pol[2 * p + 1] - ref[2 * p + 1])))
-             for p in pairs]
+             - nll_weight * pol[2 * p] / length[2 * p] for p in pairs]
     direct = torch.stack(terms).mean()
     direct_grads = torch.autograd.grad(direct, list(policy.parameters()))
     assert stats[0].item() == len(pairs) == objective.count(batch) > 1
@@ -271,6 +275,8 @@ def test_beta_must_be_positive_and_init_from_given():
         DpoConfig(beta=0.0).validate()
     with pytest.raises(ConfigError, match="dpo.init_from"):
         DpoConfig(init_from=None).validate()
+    with pytest.raises(ConfigError, match="dpo.nll_weight"):
+        DpoConfig(nll_weight=-1.0).validate()
 
 
 def test_preference_scores_of_models_and_against_a_reference(tokenizer, tmp_path):

@@ -553,6 +553,10 @@ class DpoConfig(TrainConfig):
     # (Attention always restarts at each sequence of a packed row: a rejected response
     # must never see its pair's chosen one.)
     beta: float = 0.1
+    # Weight of the chosen responses' NLL (per token) added to the loss: DPO + NLL, as
+    # RPO (Pang et al. 2024) and Llama 3 use it; it keeps the likelihood of the preferred
+    # answers from falling and the policy nearer its start. 0 = plain DPO.
+    nll_weight: float = 0.0
 
     def validate(self) -> None:
         super().validate()
@@ -560,6 +564,8 @@ class DpoConfig(TrainConfig):
             raise ConfigError("dpo.init_from: name the model to start from (e.g. models/sft)")
         if not self.beta > 0:
             raise ConfigError(f"dpo.beta: {self.beta} must be > 0")
+        if not self.nll_weight >= 0:
+            raise ConfigError(f"dpo.nll_weight: {self.nll_weight} must be >= 0")
 
 
 @dataclass

@@ -83,7 +83,8 @@ def make_objective(params: Params, run_params: Params, data: TrainData, env: Any
     """The DPO objective, its reference the (frozen) model the policy starts from."""
     reference = load_reference(params.dpo.init_from, env.device)
     return DpoObjective(params.dpo.beta, extend_context(reference, run_params.model.seq_len),
-                        len(data.train.doc_ends), len(data.val.doc_ends))
+                        len(data.train.doc_ends), len(data.val.doc_ends),
+                        params.dpo.nll_weight)
 
 
 def run_dpo_stage(params: Params, paths: DpoPaths, module: str = "stages.dpo") -> None:
@@ -114,7 +115,8 @@ def write_dpo_outputs(result: TrainResult, params: Params, data: TrainData, path
     trained = save_tuned(result, params.dpo, paths.final, paths.tokenizer, tokenizer_sha)
     write_json(paths.metrics, {
         **result.metrics, "mode": "lora" if params.dpo.lora is not None else "full",
-        "beta": params.dpo.beta, "trainable_params": trained,
+        "beta": params.dpo.beta, "nll_weight": params.dpo.nll_weight,
+        "trainable_params": trained,
         "optimizer_state_bytes": adamw_state_bytes(trained),
         "train_pairs": data.train.manifest["pairs"], "val_pairs": data.val.manifest["pairs"]})
     write_text(paths.plots, history_tsv(result.history, DPO_TSV_COLUMNS))

@@ -115,10 +115,12 @@ class DpoObjective:
     """
 
     stats = ("pairs", "reward_margin", "pref_accuracy", "reward_chosen", "reward_rejected",
-             "logp_chosen", "logp_rejected")
+             "logp_chosen", "logp_rejected", "nll_chosen")
 
-    def __init__(self, beta: float, reference: Llama, train_docs: int, val_docs: int) -> None:
+    def __init__(self, beta: float, reference: Llama, train_docs: int, val_docs: int,
+                 nll_weight: float = 0.0) -> None:
         self.beta = beta
+        self.nll_weight = nll_weight
         self.reference = reference
         # Summed response log-prob per document under the reference; NaN = not yet scored.
         self.cache = {"train": torch.full((train_docs,), float("nan"), dtype=torch.float64),
@@ -178,17 +180,26 @@ class DpoObjective:
 
     def pair_figures(self, logits: torch.Tensor, targets: torch.Tensor, docs: torch.Tensor,
                      ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(per-pair losses, the ``stats`` sums) of one batch; ``ref``: log-probs by doc."""
+        """(per-pair losses, the ``stats`` sums) of one batch; ``ref``: log-probs by doc.
+
+        A pair's loss is DPO's, plus ``nll_weight`` times its chosen response's NLL per
+        token (``nll_chosen``, logged either way).
+        """
         ids, logps = sequence_logps(logits, targets, docs)
         pairs, pol_c, pol_r = split_pairs(ids, logps)
+        lengths = torch.unique(docs[targets != IGNORE_INDEX], return_counts=True)[1]
+        nll_c = -pol_c / lengths[ids % 2 == 0].to(pol_c.dtype)
         chosen = 2 * pairs.cpu()
         ref_c = ref[chosen].to(logps.device, torch.float32)
         ref_r = ref[chosen + 1].to(logps.device, torch.float32)
         losses, rew_c, rew_r = dpo_loss(pol_c, pol_r, ref_c, ref_r, self.beta)
+        if self.nll_weight:
+            losses = losses + self.nll_weight * nll_c
         margin = (rew_c - rew_r).detach()
         stats = torch.stack([torch.tensor(float(len(pairs)), device=logps.device),
                              margin.sum(), (margin > 0).float().sum(), rew_c.detach().sum(),
-                             rew_r.detach().sum(), pol_c.detach().sum(), pol_r.detach().sum()])
+                             rew_r.detach().sum(), pol_c.detach().sum(), pol_r.detach().sum(),
+                             nll_c.detach().sum()])
         return losses, stats
 
     @torch.no_grad()
