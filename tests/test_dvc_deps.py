@@ -34,6 +34,13 @@ CODE_ROOTS = ("stages", "src")
 
 # Config fields that cannot change a stage's outputs, so no stage lists them and editing
 # them reruns nothing. Every other field must be a param dep of its stage.
+# The loop's cadence keys, the same for every training stage after pretraining.
+TUNING_CADENCE = {
+    "log_every": "logging cadence", "eval_every": "val cadence",
+    "sample_every": "sampling cadence", "sample_prompts": "MLflow samples only",
+    "ckpt_every": "checkpoint cadence", "light_every": "model-only snapshot cadence",
+    "keep_last": "checkpoint pruning", "max_bad_steps": "abort threshold",
+    "self_check": "pre-flight check"}
 NON_OUTPUT_KEYS: dict[str, dict[str, str]] = {
     # Worker processes return results in input order (lmforge.parallel.imap_ordered):
     # the same bytes on any count.
@@ -59,21 +66,10 @@ NON_OUTPUT_KEYS: dict[str, dict[str, str]] = {
         # Runs before training on its own model, before the seed is set.
         "self_check": "pre-flight check",
     },
-    # Fine-tuning's knobs are train's: the same reasons.
-    "sft": {k: v for k, v in {
-        "log_every": "logging cadence", "eval_every": "val-loss cadence",
-        "sample_every": "sampling cadence", "sample_prompts": "MLflow samples only",
-        "ckpt_every": "checkpoint cadence", "light_every": "model-only snapshot cadence",
-        "keep_last": "checkpoint pruning", "max_bad_steps": "abort threshold",
-        "self_check": "pre-flight check"}.items()},
-    # DPO's too: evaluation runs the frozen reference and draws no random numbers, so
-    # eval_every changes only the cadence of plots/dpo_val.tsv.
-    "dpo": {k: v for k, v in {
-        "log_every": "logging cadence", "eval_every": "val cadence (KL, accuracy, loss)",
-        "sample_every": "sampling cadence", "sample_prompts": "MLflow samples only",
-        "ckpt_every": "checkpoint cadence", "light_every": "model-only snapshot cadence",
-        "keep_last": "checkpoint pruning", "max_bad_steps": "abort threshold",
-        "self_check": "pre-flight check"}.items()},
+    # Fine-tuning's and DPO's knobs are train's: the same reasons (DPO's evaluation runs
+    # the frozen reference and draws no random numbers, so eval_every is cadence too).
+    "sft": dict(TUNING_CADENCE),
+    "dpo": dict(TUNING_CADENCE),
     # Everything else changes outputs, kernels and thread counts included: torch splits
     # CPU reductions by thread (train.num_threads), unigram tokenizers depend on
     # sentencepiece's threads (tokenizer.num_threads), and compile, fused_loss,
