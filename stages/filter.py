@@ -7,13 +7,15 @@ from lmforge.data.filter_report import render
 from lmforge.data.filtering import loss_problems, run_filter
 from lmforge.data.report import print_report
 from lmforge.errors import InputError
+from lmforge.executor import make_executor
 from lmforge.io import write_json, write_text
 from lmforge.stage import run_stage
 
 
 def main(params: Params) -> None:
     examples: dict = {}
-    metrics = run_filter(params.filter, "data/ingested", "data/filtered", examples)
+    executor = make_executor(params.executor, params.filter.num_workers)
+    metrics = run_filter(params.filter, "data/ingested", "data/filtered", examples, executor)
     problems = loss_problems(params.filter, metrics)
     write_json("metrics/filter.json", metrics)
     write_text("metrics/filter_report.md", render(params.filter, metrics, examples, problems))

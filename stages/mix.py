@@ -5,12 +5,14 @@ from __future__ import annotations
 from lmforge.config import Params
 from lmforge.data.mix import run_mix, shortfall_line
 from lmforge.data.report import print_report
+from lmforge.executor import make_executor
 from lmforge.io import write_json
 from lmforge.stage import run_stage
 
 
 def main(params: Params) -> None:
-    metrics = run_mix(params.mix, "data/deduped", "data/mixed")
+    executor = make_executor(params.executor, params.mix.num_workers)
+    metrics = run_mix(params.mix, "data/deduped", "data/mixed", executor)
     write_json("metrics/mix.json", metrics)
     print_report("mix", metrics)
     for domain, short in metrics["shortfalls"].items():

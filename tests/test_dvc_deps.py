@@ -49,6 +49,10 @@ NON_OUTPUT_KEYS: dict[str, dict[str, str]] = {
     "dedup": {"num_workers": "worker count"},
     "mix": {"num_workers": "worker count"},
     "shards": {"num_workers": "worker count"},
+    # Where the per-part tasks run: the executor yields results in task order, so the
+    # local pool and a Ray cluster write the same bytes (tests/test_executor_ray.py).
+    "executor": {k: "where the data stages' tasks run" for k in
+                 ("kind", "address", "num_cpus", "memory_mb", "max_retries")},
     "train": {
         # Cadence: the weights are the same; plots/train.tsv, plots/val.tsv and
         # train_loss in metrics/train.json keep the cadence the run was trained with.

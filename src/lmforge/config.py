@@ -306,6 +306,22 @@ class ShardsConfig:
 
 
 @dataclass
+class ExecutorConfig:
+    """Where the data stages run their per-part tasks (``lmforge.executor``). The output
+    bytes are the same either way, so no stage lists this section as a DVC param."""
+
+    kind: Literal["local", "ray"] = "local"
+    address: str | None = None  # ray: the cluster; else RAY_ADDRESS, else a local instance
+    num_cpus: float = 1.0  # ray: CPUs reserved per task
+    memory_mb: int = 0  # ray: memory reserved per task (0 = none reserved)
+    max_retries: int = 3  # ray: reruns of a task whose worker or node died
+
+    def validate(self) -> None:
+        _positive(self, "num_cpus")
+        _non_negative(self, "memory_mb", "max_retries")
+
+
+@dataclass
 class ModelConfig:
     n_layer: int = 4
     n_head: int = 4
@@ -617,6 +633,7 @@ class Params:
     mix: MixConfig = field(default_factory=MixConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     shards: ShardsConfig = field(default_factory=ShardsConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
@@ -788,6 +805,7 @@ def _section(obj: Any) -> str:
     return {
         IngestConfig: "ingest", FilterConfig: "filter", DedupConfig: "dedup",
         MixConfig: "mix", TokenizerConfig: "tokenizer", ShardsConfig: "shards",
+        ExecutorConfig: "executor",
         ModelConfig: "model", TrainConfig: "train", EvaluateConfig: "evaluate",
         SftDataConfig: "sft_data", SftConfig: "sft", EvaluatePostConfig: "evaluate_post",
         LoraConfig: "lora",

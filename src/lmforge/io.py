@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -85,3 +86,44 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+PARTIAL_SUFFIX = ".partial"
+_STAMP = ".fingerprint"
+
+
+@contextlib.contextmanager
+def resumable_dir(path: str | os.PathLike, fingerprint: str) -> Iterator[Path]:
+    """Like :func:`atomic_dir`, but the work directory, ``.<name>.partial`` beside
+    ``path``, outlives a kill or an error, so a rerun with the same ``fingerprint``
+    (the stage's inputs and settings) continues from what it holds. Another fingerprint
+    starts afresh. On success, the work directory becomes ``path``, without its
+    bookkeeping (names starting with ``.``)."""
+    path = Path(path)
+    work = path.with_name(f".{path.name}{PARTIAL_SUFFIX}")
+    stamp = work / _STAMP
+    if work.exists() and not (stamp.is_file() and stamp.read_text() == fingerprint):
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(fingerprint)
+    yield work
+    for hidden in work.glob(".*"):
+        if hidden.is_dir():
+            shutil.rmtree(hidden)
+        else:
+            hidden.unlink()
+    with atomic_dir(path) as tmp:
+        os.rmdir(tmp)
+        os.replace(work, tmp)
+
+
+def files_fingerprint(paths: list[Path], *settings: object) -> str:
+    """A digest of ``settings`` and of each file's name, size and modification time: what
+    a stage's resumable work depends on (a changed input gets a new mtime)."""
+    h = hashlib.blake2b(digest_size=16)
+    for s in settings:
+        h.update(repr(s).encode())
+    for p in paths:
+        st = os.stat(p)
+        h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()

@@ -22,8 +22,8 @@ from lmforge.data.counts import Counts
 from lmforge.data.filter_report import add_example, merge_examples
 from lmforge.data.filters import DomainRules, domain_rules
 from lmforge.data.records import list_parts, read_table, write_table
-from lmforge.io import atomic_dir
-from lmforge.parallel import imap_ordered
+from lmforge.executor import Executor, LocalExecutor, PartLog
+from lmforge.io import files_fingerprint, resumable_dir
 
 REJECTS_SCHEMA = pa.schema(
     [
@@ -118,17 +118,22 @@ def judge_table(table: pa.Table, cfg: FilterConfig) -> tuple[list[bool], list[st
 
 
 def run_filter(cfg: FilterConfig, in_dir: str | Path, out_dir: str | Path,
-               examples: dict[str, dict[str, list]] | None = None) -> dict[str, Any]:
+               examples: dict[str, dict[str, list]] | None = None,
+               executor: Executor | None = None) -> dict[str, Any]:
     """Filter ``in_dir``/part-* into ``out_dir``; return per-domain metrics (and fill
-    ``examples`` with the first rejects per domain and rule, in input order)."""
+    ``examples`` with the first rejects per domain and rule, in input order).
+
+    Parts run on ``executor`` (default: the local pool); a rerun after a kill skips
+    the parts already written."""
+    executor = executor or LocalExecutor(cfg.num_workers)
     parts = list_parts(in_dir)
     counts = Counts()
-    with atomic_dir(out_dir) as tmp:
-        (tmp / "rejects").mkdir()
+    with resumable_dir(out_dir, files_fingerprint(parts, "filter", cfg)) as tmp:
+        (tmp / "rejects").mkdir(exist_ok=True)
         tasks = [PartTask(str(p), str(tmp / p.name), str(tmp / "rejects" / p.name), cfg)
                  for p in parts]
         redacted: dict[str, Counter] = {}
-        for result in imap_ordered(filter_part, tasks, cfg.num_workers, desc="filter"):
+        for result in executor.map(filter_part, tasks, "filter", PartLog(tmp / ".done")):
             counts.merge(result.counts)
             if examples is not None:
                 merge_examples(examples, result.examples)

@@ -9,7 +9,6 @@ unique across the corpus, so a repeated id is rejected here, where it is cheap t
 from __future__ import annotations
 
 import glob
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,8 +23,8 @@ from lmforge.data.counts import Counts
 from lmforge.data.readers import Doc
 from lmforge.data.records import COMPRESSION, SCHEMA, PartWriter, iter_batches, write_table
 from lmforge.errors import InputError
-from lmforge.io import atomic_dir
-from lmforge.parallel import imap_ordered
+from lmforge.executor import Executor, LocalExecutor, PartLog
+from lmforge.io import files_fingerprint, resumable_dir
 
 REJECTS_SCHEMA = pa.schema(
     [
@@ -125,22 +124,31 @@ def _drop_duplicate_ids(table: pa.Table, seen: set[str]) -> tuple[pa.Table, pa.T
     return table.filter(mask), table.filter(pc.invert(mask))
 
 
-def run_ingest(cfg: IngestConfig, out_dir: str | Path) -> dict[str, Any]:
+def run_ingest(cfg: IngestConfig, out_dir: str | Path,
+               executor: Executor | None = None) -> dict[str, Any]:
     """Read every source into ``out_dir``/part-*.parquet and ``rejects.parquet``.
 
-    Returns the metrics: per-domain in / kept / rejected-by-reason, and file counts.
+    Files are read on ``executor`` (default: the local pool); a rerun after a kill
+    skips the files already read. Returns the metrics: per-domain in / kept /
+    rejected-by-reason, and file counts.
     """
+    executor = executor or LocalExecutor(cfg.num_workers)
     files = resolve_files(cfg.sources)
     counts = Counts()
     rejects: list[tuple[str, int, str, str, str]] = []
     seen: set[str] = set()
-    with atomic_dir(out_dir) as tmp:
+    fingerprint = files_fingerprint([Path(p) for _, p in files], "ingest", cfg)
+    with resumable_dir(out_dir, fingerprint) as tmp:
         work = tmp / ".work"
-        work.mkdir()
+        work.mkdir(exist_ok=True)
+        for stale in tmp.glob("part-*.parquet"):  # parts of a killed run: rebuilt below
+            stale.unlink()
         tasks = [FileTask(path, cfg.sources[i], cfg.max_record_bytes, str(work / f"{n:06d}.parquet"))
                  for n, (i, path) in enumerate(files)]
         parts = PartWriter(tmp, cfg.part_docs)
-        for result in imap_ordered(ingest_file, tasks, cfg.num_workers, desc="ingest"):
+        # Each file's rows are kept until the end, so a rerun can rebuild the parts
+        # from the files already read.
+        for result in executor.map(ingest_file, tasks, "ingest", PartLog(tmp / ".done")):
             for row in result.rejects:
                 counts[row[2]].n_in += 1
                 counts[row[2]].rejected[row[3]] += 1
@@ -156,9 +164,7 @@ def run_ingest(cfg: IngestConfig, out_dir: str | Path) -> dict[str, Any]:
                     counts[domain].n_in += n
                     counts[domain].kept += n
                 parts.add(table)
-            Path(result.out).unlink()
         parts.close()
-        shutil.rmtree(work)
         columns = list(zip(*rejects, strict=True)) if rejects else [[] for _ in REJECTS_SCHEMA.names]
         write_table(pa.table(dict(zip(REJECTS_SCHEMA.names, map(list, columns), strict=True)),
                              schema=REJECTS_SCHEMA), tmp / "rejects.parquet")

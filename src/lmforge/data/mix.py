@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import re
-import shutil
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +28,8 @@ from lmforge.config import MixConfig
 from lmforge.data.counts import Counts
 from lmforge.data.records import list_parts, part_name, read_table, repeat_id, write_table
 from lmforge.errors import InputError
-from lmforge.io import atomic_dir
-from lmforge.parallel import imap_ordered
+from lmforge.executor import Executor, LocalExecutor, PartLog
+from lmforge.io import files_fingerprint, resumable_dir
 
 DOWNSAMPLED = "downsampled"
 SPLITS = ("train", "val")
@@ -214,13 +213,65 @@ def read_clusters(path: Path, ids: list[str]) -> list[str]:
     return [cluster_of.get(i, i) for i in ids]
 
 
-def run_mix(cfg: MixConfig, in_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
-    """Split, re-weight and shuffle ``in_dir`` into ``out_dir``/{train,val}; return metrics."""
+def run_mix(cfg: MixConfig, in_dir: str | Path, out_dir: str | Path,
+            executor: Executor | None = None) -> dict[str, Any]:
+    """Split, re-weight and shuffle ``in_dir`` into ``out_dir``/{train,val}; return metrics.
+
+    Per-part work runs on ``executor`` (default: the local pool); a rerun after a kill
+    skips what was done."""
     in_dir = Path(in_dir)
-    num_workers = cfg.num_workers
+    executor = executor or LocalExecutor(cfg.num_workers)
     parts = list_parts(in_dir)
-    sizes = list(imap_ordered(measure_part, [(str(p), cfg.unit) for p in parts],
-                              num_workers, desc="mix: measure"))
+    inputs = [*parts, in_dir / "clusters.parquet"] if (in_dir / "clusters.parquet").is_file() else parts
+    with resumable_dir(out_dir, files_fingerprint(inputs, "mix", cfg)) as tmp:
+        done = tmp / ".done"
+        sizes = list(executor.map(measure_part, [(str(p), cfg.unit) for p in parts],
+                                  "mix: measure", PartLog(done / "measure")))
+        plan = plan_mix(cfg, in_dir, sizes)
+        offsets = np.cumsum([0] + [len(s.ids) for s in sizes])
+        buckets = tmp / ".buckets"
+        scatter = [ScatterTask(str(p), int(offsets[k]),
+                               {s: _rows_of_part(pl, offsets[k], offsets[k + 1])
+                                for s, pl in plan.placements.items()}, str(buckets), k)
+                   for k, p in enumerate(parts)]
+        for _ in executor.map(scatter_part, scatter, "mix: scatter", PartLog(done / "scatter")):
+            pass
+        for split, pl in plan.placements.items():
+            (tmp / split).mkdir(exist_ok=True)
+            n_parts = int(pl.part.max()) + 1 if len(pl.part) else 0
+            gather = [(str(buckets / split / f"{k:05d}"), str(tmp / split / part_name(k)))
+                      for k in range(n_parts)]
+            written = sum(executor.map(gather_part, gather, f"mix: {split}",
+                                       PartLog(done / split)))
+            assert written == len(pl.doc), f"{split}: wrote {written} of {len(pl.doc)} rows"
+
+    metrics = _metrics(plan.by_domain, plan.is_val, plan.copies, plan.chars, plan.units,
+                       plan.targets, cfg)
+    for d, short in plan.shortfalls.items():
+        metrics["domains"][d]["shortfall"] = short["shortfall"]
+    # Domains short of their asked share by more than REPORT_SHORTFALL: asked vs got.
+    metrics["shortfalls"] = {d: s for d, s in sorted(plan.shortfalls.items())
+                             if s["shortfall"] > REPORT_SHORTFALL}
+    return metrics
+
+
+@dataclass
+class MixPlan:
+    """What the mix decided for every document, before any row is written."""
+
+    by_domain: dict[str, np.ndarray]  # document indices per domain
+    is_val: np.ndarray  # bool
+    copies: np.ndarray  # int64 train copies (0 for val)
+    chars: np.ndarray
+    units: np.ndarray
+    targets: dict[str, float]  # train units asked per domain
+    shortfalls: dict[str, dict[str, float]]
+    placements: dict[str, Placement]  # per split: where each row goes
+
+
+def plan_mix(cfg: MixConfig, in_dir: Path, sizes: list[PartSizes]) -> MixPlan:
+    """The val split, each train document's copies and the shuffled placement of rows;
+    an InputError when a domain has no weight or falls too far short."""
     ids = [i for s in sizes for i in s.ids]
     domains = np.array([d for s in sizes for d in s.domains], dtype=object)
     chars = np.concatenate([s.chars for s in sizes])
@@ -256,31 +307,7 @@ def run_mix(cfg: MixConfig, in_dir: str | Path, out_dir: str | Path) -> dict[str
         "train": place(copies, cfg.part_docs, np.random.default_rng([cfg.seed, 0])),
         "val": place(is_val.astype(np.int64), cfg.part_docs, np.random.default_rng([cfg.seed, 1])),
     }
-    with atomic_dir(out_dir) as tmp:
-        buckets = tmp / ".buckets"
-        offsets = np.cumsum([0] + [len(s.ids) for s in sizes])
-        scatter = [ScatterTask(str(p), int(offsets[k]),
-                               {s: _rows_of_part(pl, offsets[k], offsets[k + 1])
-                                for s, pl in placements.items()}, str(buckets), k)
-                   for k, p in enumerate(parts)]
-        for _ in imap_ordered(scatter_part, scatter, num_workers, desc="mix: scatter"):
-            pass
-        for split, pl in placements.items():
-            (tmp / split).mkdir()
-            n_parts = int(pl.part.max()) + 1 if len(pl.part) else 0
-            gather = [(str(buckets / split / f"{k:05d}"), str(tmp / split / part_name(k)))
-                      for k in range(n_parts)]
-            written = sum(imap_ordered(gather_part, gather, num_workers, desc=f"mix: {split}"))
-            assert written == len(pl.doc), f"{split}: wrote {written} of {len(pl.doc)} rows"
-        shutil.rmtree(buckets, ignore_errors=True)  # absent when no row was selected
-
-    metrics = _metrics(by_domain, is_val, copies, chars, units, targets, cfg)
-    for d, short in shortfalls.items():
-        metrics["domains"][d]["shortfall"] = short["shortfall"]
-    # Domains short of their asked share by more than REPORT_SHORTFALL: asked vs got.
-    metrics["shortfalls"] = {d: s for d, s in sorted(shortfalls.items())
-                             if s["shortfall"] > REPORT_SHORTFALL}
-    return metrics
+    return MixPlan(by_domain, is_val, copies, chars, units, targets, shortfalls, placements)
 
 
 # A shortfall above this (relative) is reported; above mix.max_shortfall it is an error.
