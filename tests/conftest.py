@@ -1,0 +1,20 @@
+"""Fixtures shared across test modules."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real Ray instance on this machine (2 CPUs), started once for the session.
+
+    Ray's own advice for tests: start-up takes seconds, so share one instance; there is
+    no local mode any more, so tasks run in real worker processes.
+    """
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True,
+                 configure_logging=False)
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,222 @@
+"""The data stages on a real local Ray cluster: the same bytes as the local pool, a
+killed worker retried, errors as one line, two nodes on one machine."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from lmforge.config import ExecutorConfig, Params, SourceConfig, load_params
+from lmforge.errors import InputError
+
+ray = pytest.importorskip("ray")
+
+from lmforge.data.filtering import run_filter  # noqa: E402
+from lmforge.executor import ExecutorError, LocalExecutor, RayExecutor  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "data" / "raw" / "demo"
+DATA_STAGES = ("ingest", "filter", "dedup", "mix")
+# Figures of how long a run took, not of what it wrote.
+TIMING_KEYS = {"seconds", "tokens_per_sec", "num_workers"}
+
+
+def write_demo_slice(root: Path, lines: int = 60) -> None:
+    """The first ``lines`` records of every demo file, in the demo's layout."""
+    for src in sorted(DEMO.glob("*/*.jsonl.gz")):
+        with gzip.open(src, "rt", encoding="utf-8") as f:
+            head = [next(f) for _ in range(lines)]
+        out = root / "data" / "raw" / src.parent.name / src.name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(gzip.compress("".join(head).encode(), mtime=0))
+
+
+def slice_params() -> Params:
+    """params.yaml, scaled to the slice: small parts (many tasks), a small tokenizer."""
+    p = load_params(REPO / "params.yaml")
+    sources = [SourceConfig(f"data/raw/{s.domain}/*.jsonl.gz", s.domain) for s in p.ingest.sources]
+    p.ingest = dataclasses.replace(p.ingest, sources=sources, part_docs=50, num_workers=2)
+    p.filter = dataclasses.replace(p.filter, num_workers=2, min_docs=1, max_loss=1.0)
+    p.dedup = dataclasses.replace(p.dedup, num_workers=2)
+    p.mix = dataclasses.replace(p.mix, part_docs=120, min_val_docs=2, min_val_chars=1000,
+                                max_shortfall=1.0, num_workers=2)
+    p.tokenizer = dataclasses.replace(p.tokenizer, vocab_size=600, sample_chars=300_000,
+                                      num_threads=1)
+    p.shards = dataclasses.replace(p.shards, shard_tokens=20_000, num_workers=2)
+    p.validate()
+    return p
+
+
+def run_stages(root: Path, monkeypatch, names: tuple[str, ...]) -> None:
+    monkeypatch.syspath_prepend(str(REPO))  # the stages package lives at the repo root
+    import importlib
+
+    monkeypatch.chdir(root)
+    p = slice_params()
+    for name in names:
+        importlib.import_module(f"stages.{name}").main(p)
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    """Every file under ``root``, by relative path."""
+    return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*"))
+            if f.is_file()}
+
+
+def without_timing(obj):
+    if isinstance(obj, dict):
+        return {k: without_timing(v) for k, v in obj.items() if k not in TIMING_KEYS}
+    return obj
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    """The data stages, tokenizer and shards on the local pool: the reference."""
+    root = tmp_path_factory.mktemp("local")
+    write_demo_slice(root)
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.delenv("LMFORGE_EXECUTOR", raising=False)
+        run_stages(root, mp, (*DATA_STAGES, "tokenizer", "shards"))
+    finally:
+        mp.undo()
+    return root
+
+
+def test_ray_run_writes_the_local_bytes(ray_cluster, local_run, tmp_path, monkeypatch):
+    write_demo_slice(tmp_path)
+    monkeypatch.setenv("LMFORGE_EXECUTOR", "ray")
+    run_stages(tmp_path, monkeypatch, DATA_STAGES)
+    # The tokenizer stage has no per-part tasks: take the local one, then shards on Ray.
+    shutil.copytree(local_run / "models", tmp_path / "models")
+    run_stages(tmp_path, monkeypatch, ("shards",))
+
+    local, remote = tree(local_run / "data"), tree(tmp_path / "data")
+    assert set(local) == set(remote)
+    assert any(f.startswith("shards/train/") for f in local)
+    assert len([f for f in local if f.startswith("ingested/part-")]) > 4  # many tasks
+    for name in local:
+        assert local[name] == remote[name], name
+    for stage in (*DATA_STAGES, "shards"):
+        a = json.loads((local_run / "metrics" / f"{stage}.json").read_text())
+        b = json.loads((tmp_path / "metrics" / f"{stage}.json").read_text())
+        assert without_timing(a) == without_timing(b), stage
+    assert not list((tmp_path / "data").glob(".*")), "work directories left behind"
+
+
+def _kill_first_task(prefix: bytes, killed: list[int], stop: threading.Event) -> None:
+    """SIGKILL the first process whose title says it runs task ``prefix``."""
+    while not stop.is_set() and not killed:
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if cmd.startswith(b"ray::" + prefix):
+                os.kill(int(pid), signal.SIGKILL)
+                killed.append(int(pid))
+                return
+        time.sleep(0.005)
+
+
+def test_a_killed_worker_is_retried_and_the_output_is_unchanged(ray_cluster, local_run, tmp_path):
+    cfg = slice_params().filter
+    ingested = local_run / "data" / "ingested"
+    for attempt in range(3):  # a task may finish before the watcher sees it: try again
+        killed: list[int] = []
+        stop = threading.Event()
+        watcher = threading.Thread(target=_kill_first_task, args=(b"filter_part", killed, stop))
+        watcher.start()
+        out = tmp_path / f"filtered{attempt}"
+        try:
+            metrics = run_filter(cfg, ingested, out, executor=RayExecutor(ExecutorConfig("ray")))
+        finally:
+            stop.set()
+            watcher.join()
+        if killed:
+            break
+    assert killed, "no filter task was caught running"
+    assert tree(out) == tree(local_run / "data" / "filtered")
+    reference = json.loads((local_run / "metrics" / "filter.json").read_text())
+    for domain, c in metrics["domains"].items():
+        assert c == reference["domains"][domain]
+        assert c["in"] == c["kept"] + sum(c["rejected"].values())
+
+
+def test_a_task_error_reaches_the_driver_as_raised(ray_cluster, tmp_path):
+    """A corrupt part raises InputError inside the task: the same one line as locally."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "part-00000.parquet").write_bytes(b"PAR1 not really parquet")
+    cfg = slice_params().filter
+    with pytest.raises(InputError) as local_err:
+        run_filter(cfg, tmp_path / "in", tmp_path / "a", executor=LocalExecutor(1))
+    with pytest.raises(InputError) as ray_err:
+        run_filter(cfg, tmp_path / "in", tmp_path / "b",
+                   executor=RayExecutor(ExecutorConfig("ray")))
+    assert str(ray_err.value) == str(local_err.value)
+    assert "part-00000.parquet" in str(ray_err.value) and "\n" not in str(ray_err.value)
+
+
+def test_missing_ray_is_one_line(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray":
+            raise ImportError("No module named 'ray'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    with pytest.raises(ExecutorError, match=r"pip install 'lmforge\[ray\]'"):
+        RayExecutor(ExecutorConfig("ray"))
+
+
+def test_two_ray_nodes_on_one_machine_write_the_local_bytes(local_run, tmp_path):
+    """A head and a worker node (ray.cluster_utils.Cluster), one CPU each, in a fresh
+    process (the session's Ray instance is a single node)."""
+    pytest.importorskip("ray.cluster_utils")  # Ray's own multi-node test harness
+    script = textwrap.dedent(f"""
+        import json, ray
+        from ray.cluster_utils import Cluster
+        from lmforge.config import ExecutorConfig, load_params
+        from lmforge.data.filtering import run_filter
+        from lmforge.executor import RayExecutor
+        import sys; sys.path.insert(0, {str(REPO / "tests")!r})
+        from test_executor_ray import slice_params
+        cluster = Cluster(initialize_head=True, head_node_args={{"num_cpus": 1}})
+        cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address, include_dashboard=False)
+        try:
+            nodes = [n for n in ray.nodes() if n["Alive"]]
+            m = run_filter(slice_params().filter, {str(local_run / "data" / "ingested")!r},
+                           {str(tmp_path / "filtered")!r},
+                           executor=RayExecutor(ExecutorConfig("ray", address=cluster.address)))
+            print("RESULT", json.dumps({{"nodes": len(nodes), "metrics": m}}))
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    result = json.loads(line[len("RESULT "):])
+    assert result["nodes"] == 2
+    assert tree(tmp_path / "filtered") == tree(local_run / "data" / "filtered")
+    reference = json.loads((local_run / "metrics" / "filter.json").read_text())
+    assert result["metrics"]["domains"] == reference["domains"]
