@@ -16,7 +16,8 @@ import pytest
 
 from lmforge.config import ShardsConfig, TokenizerConfig
 from lmforge.errors import InputError
-from lmforge.shards import ShardSet, WindowLoader
+from lmforge.executor import Executor
+from lmforge.shards import ShardSet, WindowLoader, encode
 from lmforge.shards.build import build_shards
 from lmforge.tokenizer import Tokenizer
 from lmforge.tokenizer.train import train_model
@@ -104,6 +105,36 @@ def test_output_is_deterministic(built, tmp_path):
     root, _, _, _, cfg = built
     build_shards(root / "data/mixed", root / "models/tokenizer/tokenizer.model",
                  tmp_path, ShardsConfig(shard_tokens=cfg.shard_tokens, num_workers=1))
+    for split in ("train", "val"):
+        for f in sorted((root / "data/shards" / split).iterdir()):
+            assert f.read_bytes() == (tmp_path / split / f.name).read_bytes(), f.name
+
+
+class _ShuffledExecutor(Executor):
+    """Runs the tasks in this process in a scrambled order, as a cluster might, and
+    yields the results in task order."""
+
+    name = "shuffled"
+    workers = 3
+    ran = 0
+
+    def _run(self, fn, tasks):
+        self.ran += len(tasks)
+        order = list(range(len(tasks)))
+        random.Random(len(tasks)).shuffle(order)
+        results = {i: fn(tasks[i]) for i in order}
+        return iter([results[i] for i in range(len(tasks))])
+
+
+def test_any_executor_writes_the_same_bytes(built, tmp_path, monkeypatch):
+    root, _, _, _, cfg = built
+    monkeypatch.setattr(encode, "CHUNK_CHARS", 1000)  # several tasks per part
+    monkeypatch.setattr(encode, "MIN_CHUNK_CHARS", 1000)
+    executor = _ShuffledExecutor()
+    metrics = build_shards(root / "data/mixed", root / "models/tokenizer/tokenizer.model",
+                           tmp_path, ShardsConfig(shard_tokens=cfg.shard_tokens),
+                           executor=executor)
+    assert metrics["num_workers"] == 3 and executor.ran > 4 * 4
     for split in ("train", "val"):
         for f in sorted((root / "data/shards" / split).iterdir()):
             assert f.read_bytes() == (tmp_path / split / f.name).read_bytes(), f.name

@@ -1,80 +1,125 @@
-"""Encode documents to flat token arrays on all cores, in input order.
+"""The shards stage's tasks: each encodes a row range of one Parquet part, wherever it runs.
 
-sentencepiece's batched encode holds the GIL while it turns ids into Python lists, and the
-shards stage also reads Parquet, flattens and writes; on threads all of that is serial.
-Here each worker *process* encodes a chunk of about ``CHUNK_CHARS`` characters with one
-sentencepiece thread and sends back a compact numpy array, so encoding, list conversion
-and flattening all run in parallel while the main process only reads and writes. Chunks
-are small enough to balance uneven documents and few enough in flight to keep memory
-flat; results come back in input order, so the output does not depend on the worker count.
+The driver only plans and writes. It cuts every part into row ranges of about
+``CHUNK_CHARS`` characters from the Parquet metadata alone (no text read), and hands
+:class:`RowsTask` s to an executor (:mod:`lmforge.executor`: this machine's process pool
+or a Ray cluster). Each task, :func:`encode_rows`, reads its own rows, encodes them with
+one sentencepiece thread and sends back a compact numpy array; results come back in task
+order and go to the shard writer, so the output does not depend on where or on how many
+workers the tasks ran. No text passes through the driver, which on a cluster would be
+the bottleneck.
+
+A worker keeps the sentencepiece model it loaded (keyed by path and sha256), so the
+model loads once per worker process, not once per task.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
-import multiprocessing as mp
-from collections import deque
-from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import sentencepiece as spm
 
-from lmforge.parallel import resolve_workers
-from lmforge.shards.format import token_dtype
-from lmforge.tokenizer import Tokenizer
-from lmforge.tokenizer.corpus import iter_text_batches
+from lmforge.errors import InputError
+from lmforge.tokenizer.corpus import _check_strings, _open
 
-# ~0.2 s of encoding on one core: enough to hide the hand-off cost, small enough that
-# a few chunks per worker keep every core busy to the end.
+# ~0.4 s of encoding on one core: enough to hide a task's start-up (opening the part,
+# reading up to its rows), small enough that a few tasks per worker keep every core busy
+# to the end.
 CHUNK_CHARS = 1 << 20
-# Rows read per Parquet batch; chunks are built from whole batches.
-READ_ROWS = 64
-# Chunks in flight per worker: one encoding, one queued, one being collected.
-IN_FLIGHT_PER_WORKER = 3
+# The smallest task the planner makes when it cuts finer to give every worker work.
+MIN_CHUNK_CHARS = 1 << 16
+# Rows per Parquet read batch inside a task.
+READ_ROWS = 128
 
 
-@dataclass
-class TextChunk:
-    """Consecutive documents to encode, with what the shard index needs of them."""
+@dataclass(frozen=True)
+class RowsTask:
+    """Rows ``[lo, hi)`` of one part, and how to encode them."""
 
-    texts: list[str]
-    nbytes: np.ndarray  # uint64 UTF-8 bytes per document
-    domains: np.ndarray  # uint16 domain code per document
+    path: str  # the Parquet part
+    lo: int
+    hi: int
+    model: str  # the sentencepiece model file
+    model_sha256: str  # its digest: a worker's cached model is used only if it matches
+    add_bos: bool
+    add_eos: bool
+    dtype: str  # numpy dtype of the token ids (uint16 / uint32)
+    domains: tuple[str, ...]  # domain names; a document's code is its domain's position
 
 
 @dataclass
 class EncodedChunk:
-    """The documents of a :class:`TextChunk` as token ids back to back."""
+    """The documents of one task as token ids back to back, with their index fields."""
 
     tokens: np.ndarray  # the shard dtype (uint16 / uint32)
     lengths: np.ndarray  # int64 tokens per document
-    nbytes: np.ndarray
-    domains: np.ndarray
+    nbytes: np.ndarray  # uint64 UTF-8 bytes per document
+    domains: np.ndarray  # uint16 domain code per document
 
 
-def iter_chunks(parts: Iterable[Path], domain_codes: dict[str, int],
-                chunk_chars: int = CHUNK_CHARS) -> Iterator[TextChunk]:
-    """Documents of ``parts`` in order, grouped into chunks of about ``chunk_chars``."""
-    texts: list[str] = []
-    nbytes: list[np.ndarray] = []
-    domains: list[int] = []
-    chars = 0
-    for path in parts:
-        for batch in iter_text_batches(path, batch_rows=READ_ROWS):
-            texts += batch.texts
-            nbytes.append(batch.text_bytes.to_numpy(zero_copy_only=False))
-            domains += [domain_codes[d] for d in batch.domains]
-            chars += sum(map(len, batch.texts))
-            if chars >= chunk_chars:
-                yield TextChunk(texts, np.concatenate(nbytes).astype(np.uint64),
-                                np.array(domains, dtype=np.uint16))
-                texts, nbytes, domains, chars = [], [], [], 0
-    if texts:
-        yield TextChunk(texts, np.concatenate(nbytes).astype(np.uint64),
-                        np.array(domains, dtype=np.uint16))
+# ----------------------------------------------------------------------- planning
+
+
+def text_bytes_per_group(path: str | Path) -> list[tuple[int, int]]:
+    """(rows, uncompressed bytes of the text column) per row group, from the metadata."""
+    pf = _open(Path(path), ["text", "domain"])
+    md = pf.metadata
+    col = pf.schema_arrow.names.index("text")
+    return [(md.row_group(g).num_rows, md.row_group(g).column(col).total_uncompressed_size)
+            for g in range(md.num_row_groups)]
+
+
+def cut_rows(groups: list[tuple[int, int]], chunk_chars: int) -> list[tuple[int, int]]:
+    """Row ranges ``[lo, hi)`` covering every row once, in order, of about ``chunk_chars``
+    text bytes each (as estimated per row group: its text bytes over its rows), balanced:
+    ``ceil(total / chunk_chars)`` ranges cut at equal shares of the estimated bytes (fewer
+    where two cuts fall on the same row)."""
+    rows = np.array([0] + [r for r, _ in groups], dtype=np.int64).cumsum()
+    size = np.array([0] + [b for _, b in groups], dtype=np.float64).cumsum()
+    n_rows, total = int(rows[-1]), float(size[-1])
+    if n_rows == 0:
+        return []
+    k = min(n_rows, max(1, math.ceil(total / max(chunk_chars, 1))))
+    # Row at each cut: interpolate within the row group holding that byte (its rows taken
+    # as equal); a group with no text bytes is never cut, its rows go before the cut.
+    at_bytes = np.arange(1, k) * total / k
+    g = np.searchsorted(size, at_bytes, side="right") - 1  # size[g] <= x < size[g + 1]
+    at = rows[g] + (at_bytes - size[g]) / (size[g + 1] - size[g]) * (rows[g + 1] - rows[g])
+    cuts = sorted({int(c) for c in np.rint(at)} - {0, n_rows})
+    bounds = [0, *cuts, n_rows]
+    return list(itertools.pairwise(bounds))
+
+
+def split_chunk_chars(total_bytes: int, workers: int) -> int:
+    """Task size for a split of ``total_bytes``: ``CHUNK_CHARS``, or smaller (down to
+    ``MIN_CHUNK_CHARS``) so that a small split still gives every worker two tasks."""
+    return int(min(CHUNK_CHARS, max(MIN_CHUNK_CHARS, total_bytes // max(2 * workers, 1))))
+
+
+def plan_tasks(parts: list[Path], model: str | Path, model_sha256: str, add_bos: bool,
+               add_eos: bool, dtype: np.dtype | str, domains: list[str],
+               workers: int = 1, chunk_chars: int | None = None) -> list[RowsTask]:
+    """The tasks that encode ``parts`` (in order), cut from the Parquet metadata alone;
+    ``chunk_chars`` defaults to :func:`split_chunk_chars` for ``workers``."""
+    groups = {p: text_bytes_per_group(p) for p in parts}
+    if chunk_chars is None:
+        total = sum(b for g in groups.values() for _, b in g)
+        chunk_chars = split_chunk_chars(total, workers)
+    dtype_str = np.dtype(dtype).str
+    return [RowsTask(str(p), lo, hi, str(model), model_sha256, add_bos, add_eos,
+                     dtype_str, tuple(domains))
+            for p in parts for lo, hi in cut_rows(groups[p], chunk_chars)]
+
+
+# ----------------------------------------------------------------------- encoding
 
 
 def encode_texts(sp: spm.SentencePieceProcessor, texts: list[str], add_bos: bool,
@@ -98,76 +143,123 @@ def encode_texts(sp: spm.SentencePieceProcessor, texts: list[str], add_bos: bool
     return np.concatenate(arrays).astype(dtype), lengths
 
 
-_worker_sp: spm.SentencePieceProcessor | None = None
+# This process's loaded models, by (path, sha256): one load per worker, not per task.
+_MODELS: dict[tuple[str, str], spm.SentencePieceProcessor] = {}
+_MAX_MODELS = 2
 
 
-def _init_worker(model: bytes) -> None:
-    global _worker_sp
-    _worker_sp = spm.SentencePieceProcessor()
-    _worker_sp.LoadFromSerializedProto(model)
+def load_model(path: str, sha256: str) -> spm.SentencePieceProcessor:
+    """The sentencepiece model at ``path``, loaded once per process and content."""
+    key = (path, sha256)
+    sp = _MODELS.get(key)
+    if sp is not None:
+        return sp
+    try:
+        model = Path(path).read_bytes()
+    except OSError as e:
+        raise InputError(f"{path}: cannot read tokenizer model ({e.strerror})") from None
+    found = hashlib.sha256(model).hexdigest()
+    if found != sha256:
+        raise InputError(f"{path}: tokenizer model changed during the run (sha256 {found[:12]}, "
+                         f"planned with {sha256[:12]})")
+    sp = spm.SentencePieceProcessor()
+    try:
+        sp.LoadFromSerializedProto(model)
+    except (RuntimeError, OSError) as e:
+        raise InputError(f"{path}: not a sentencepiece model ({e})") from None
+    if len(_MODELS) >= _MAX_MODELS:
+        _MODELS.clear()
+    _MODELS[key] = sp
+    return sp
 
 
-def _encode_in_worker(texts: list[str], add_bos: bool, add_eos: bool,
-                      dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    assert _worker_sp is not None, "worker not initialised"
-    return encode_texts(_worker_sp, texts, add_bos, add_eos, np.dtype(dtype))
+COLUMNS = ["text", "domain"]
 
 
-class ChunkEncoder:
-    """Encode :class:`TextChunk` s on ``num_workers`` processes (0 = all cores), in order.
+class _PartReader:
+    """One part read front to back, kept between a worker's tasks.
 
-    A context manager: the worker processes live until ``__exit__``, so one encoder can
-    serve several splits. With one worker it encodes in this process.
+    Parquet cannot seek to a row inside a row group: reaching row ``lo`` means
+    decompressing and decoding every page before it. A worker usually gets the part's
+    tasks in increasing order (the pool hands them out in order), so it continues from
+    where its last task stopped instead of starting over: each worker reads a part
+    about once, not once per task. A task before that point opens the part afresh.
     """
 
-    def __init__(self, tok: Tokenizer, num_workers: int = 0, add_bos: bool = False,
-                 add_eos: bool = True) -> None:
-        self.tok = tok
-        self.workers = resolve_workers(num_workers)
-        self.add_bos = add_bos
-        self.add_eos = add_eos
-        self.dtype = token_dtype(tok.vocab_size)
-        self._pool: ProcessPoolExecutor | None = None
+    def __init__(self, path: Path, key: tuple) -> None:
+        self.path = path
+        self.key = key
+        self.pf = _open(path, COLUMNS)
+        self.num_rows = self.pf.metadata.num_rows
+        self._batches = self.pf.iter_batches(batch_size=READ_ROWS, columns=COLUMNS,
+                                             use_threads=False)
+        self._batch: pa.RecordBatch | None = None  # the batch read last
+        self.start = 0  # its first row: rows from here on can still be taken
 
-    def __enter__(self) -> ChunkEncoder:
-        if self.workers > 1:
-            # fork where there is one, as the rest of lmforge does: a worker is ready in
-            # milliseconds (spawn/forkserver re-import numpy and friends for ~0.5 s). The
-            # workers only run sentencepiece and numpy, never Arrow, whose threads are
-            # the usual fork hazard; enter the encoder before reading Parquet to be sure.
-            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-            self._pool = ProcessPoolExecutor(
-                self.workers, mp_context=mp.get_context(method), initializer=_init_worker,
-                initargs=(self.tok.sp.serialized_model_proto(),))
-            self._pool.submit(int).result()  # start the workers now, not at first use
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-
-    def map(self, chunks: Iterable[TextChunk]) -> Iterator[EncodedChunk]:
-        """Encoded chunks in the order of ``chunks``; at most a few per worker in flight."""
-        if self._pool is None:
-            for chunk in chunks:
-                tokens, lengths = encode_texts(self.tok.sp, chunk.texts, self.add_bos,
-                                               self.add_eos, self.dtype)
-                yield EncodedChunk(tokens, lengths, chunk.nbytes, chunk.domains)
-            return
-        # Only the index arrays wait here; the texts are gone once handed to a worker.
-        pending: deque[tuple[Future, np.ndarray, np.ndarray]] = deque()
-        limit = IN_FLIGHT_PER_WORKER * self.workers
-        for chunk in chunks:
-            future = self._pool.submit(_encode_in_worker, chunk.texts, self.add_bos,
-                                       self.add_eos, self.dtype.str)
-            pending.append((future, chunk.nbytes, chunk.domains))
-            if len(pending) >= limit:
-                yield _collect(*pending.popleft())
-        while pending:
-            yield _collect(*pending.popleft())
+    def take(self, lo: int, hi: int) -> pa.Table:
+        """Rows ``[lo, hi)``, ``lo >= self.start``."""
+        out = []
+        row = lo
+        while row < hi:
+            if self._batch is None or row >= self.start + self._batch.num_rows:
+                if self._batch is not None:
+                    self.start += self._batch.num_rows
+                self._batch = next(self._batches, None)
+                if self._batch is None:
+                    raise InputError(f"{self.path}: rows {lo}-{hi} planned, the part has "
+                                     f"{self.start} (changed during the run?)")
+                continue
+            n = min(hi, self.start + self._batch.num_rows) - row
+            out.append(self._batch.slice(row - self.start, n))
+            row += n
+        return pa.Table.from_batches(out)
 
 
-def _collect(future: Future, nbytes: np.ndarray, domains: np.ndarray) -> EncodedChunk:
-    tokens, lengths = future.result()
-    return EncodedChunk(tokens, lengths, nbytes, domains)
+# This process's open part, continued by its next task on the same part.
+_reader: _PartReader | None = None
+
+
+def read_rows(path: str | Path, lo: int, hi: int) -> tuple[pa.Array, pa.Array]:
+    """The text and domain columns of rows ``[lo, hi)`` of one part; a null or
+    non-string cell is an InputError naming the file and the row."""
+    global _reader
+    path = Path(path)
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise InputError(f"{path}: unreadable Parquet part ({e.strerror})") from None
+    # The same file, unchanged (same place, inode, size and modification time), opened
+    # by this process: a reader inherited through fork is not this process's to use.
+    key = (os.getpid(), os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    reader, _reader = _reader, None  # dropped if this read fails
+    if reader is None or reader.key != key or lo < reader.start:
+        reader = _PartReader(path, key)
+    try:
+        table = reader.take(lo, hi)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise InputError(f"{path}: row {reader.start}: unreadable "
+                         f"({str(e).splitlines()[0]})") from None
+    if hi < reader.num_rows:  # more rows to come: keep the reader for the next task
+        _reader = reader
+    cols = []
+    for name in COLUMNS:
+        col = table.column(name).combine_chunks()
+        _check_strings(path, lo, name, col)
+        cols.append(col)
+    return cols[0], cols[1]
+
+
+def encode_rows(task: RowsTask) -> EncodedChunk:
+    """Read and encode one task's rows (runs on a worker)."""
+    text, domain = read_rows(task.path, task.lo, task.hi)
+    codes = pc.index_in(domain, value_set=pa.array(task.domains, domain.type))
+    if codes.null_count:
+        i = pc.index(pc.is_null(codes), True).as_py()
+        raise InputError(f"{task.path}: row {task.lo + i}: domain {domain[i].as_py()!r} was "
+                         "not in the part when the run began (changed during the run?)")
+    sp = load_model(task.model, task.model_sha256)
+    tokens, lengths = encode_texts(sp, text.to_pylist(), task.add_bos, task.add_eos,
+                                   np.dtype(task.dtype))
+    nbytes = pc.binary_length(text).to_numpy(zero_copy_only=False).astype(np.uint64)
+    return EncodedChunk(tokens, lengths, nbytes,
+                        codes.to_numpy(zero_copy_only=False).astype(np.uint16))
