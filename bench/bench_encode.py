@@ -6,8 +6,9 @@ tokenizer on it (or takes ``--tokenizer``), then times, in the same run and alte
 
 - ``plain``: ``SentencePieceProcessor.encode(all_texts, num_threads=n)`` on texts already
   in memory -- sentencepiece's own batched encode, its best case;
-- ``stage``: the shards stage's encode path (``lmforge.shards.build.encode_split``):
-  read the Parquet parts, encode on worker processes, write uint16 shards with index,
+- ``stage``: the shards stage's encode path (``lmforge.shards.build.encode_split`` on a
+  ``LocalExecutor``): plan row ranges from the Parquet metadata, each task reading and
+  encoding its rows on a worker process, write uint16 shards with index; planning and
   worker start-up included.
 
 for n = 1 and 2 threads. Prints tokens/s, the ratio stage/plain per core count (target
@@ -29,12 +30,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lmforge.config import ShardsConfig, TokenizerConfig
+from lmforge.executor import LocalExecutor
 from lmforge.shards.build import encode_split
-from lmforge.shards.encode import ChunkEncoder
+from lmforge.shards.encode import plan_tasks
 from lmforge.shards.writer import ShardWriter
 from lmforge.tokenizer import Tokenizer
 from lmforge.tokenizer.corpus import iter_text_batches, list_parts, read_domains
@@ -73,14 +76,17 @@ def time_plain(tok: Tokenizer, texts: list[str], threads: int) -> tuple[float, i
     return seconds, sum(map(len, ids))
 
 
-def time_stage(tok: Tokenizer, parts: list[Path], threads: int, out: Path) -> tuple[float, int]:
-    """Seconds and tokens for the shards stage's encode path (read, encode, write)."""
+def time_stage(tok: Tokenizer, model: Path, parts: list[Path], threads: int,
+               out: Path) -> tuple[float, int]:
+    """Seconds and tokens for the shards stage's encode path (plan, read, encode, write)."""
     names = read_domains(parts)
-    t0 = time.perf_counter()  # worker start-up counts: the stage pays it too
+    t0 = time.perf_counter()  # planning and worker start-up count: the stage pays them too
+    executor = LocalExecutor(threads)
     writer = ShardWriter(out, tok.vocab_size, tok.sha256, names, ShardsConfig().shard_tokens)
     # No EOS: plain encode adds none either, so both produce the same tokens.
-    with ChunkEncoder(tok, threads, add_bos=False, add_eos=False) as encoder:
-        encode_split(parts, encoder, writer, {n: i for i, n in enumerate(names)})
+    tasks = plan_tasks(parts, model, tok.sha256, False, False, np.uint16, names,
+                       executor.workers)
+    encode_split(tasks, executor, writer)
     manifest = writer.close()
     return time.perf_counter() - t0, manifest["num_tokens"]
 
@@ -102,6 +108,7 @@ def main() -> None:
         texts = [t for p in parts for b in iter_text_batches(p) for t in b.texts]
         if args.tokenizer:
             tok = Tokenizer.load(args.tokenizer)
+            model_path = args.tokenizer
         else:
             cfg = TokenizerConfig(vocab_size=8192, character_coverage=0.995,
                                   sample_chars=3_000_000)
@@ -109,6 +116,8 @@ def main() -> None:
             model, _ = train_model(balanced_sample(parts, cfg.sample_chars, cfg.seed).texts,
                                    cfg)
             tok = Tokenizer(model)
+            model_path = tmp / "tokenizer.model"  # the stage's tasks load it by path
+            model_path.write_bytes(model)
             print(f"trained BPE-{tok.vocab_size} in {time.perf_counter() - t0:.1f} s")
         chars = sum(map(len, texts))
         print(f"corpus: {len(parts)} parts, {len(texts)} docs, {chars / 1e6:.1f} M chars")
@@ -123,7 +132,8 @@ def main() -> None:
                     if kind == "plain":
                         sec, n = time_plain(tok, texts, threads)
                     else:
-                        sec, n = time_stage(tok, parts, threads, tmp / f"shards-{rep}-{threads}")
+                        sec, n = time_stage(tok, model_path, parts, threads,
+                                            tmp / f"shards-{rep}-{threads}")
                     tokens[kind] = n
                     times.setdefault((kind, threads), []).append(sec)
         if tokens["plain"] != tokens["stage"]:
