@@ -220,3 +220,18 @@ def test_two_ray_nodes_on_one_machine_write_the_local_bytes(local_run, tmp_path)
     assert tree(tmp_path / "filtered") == tree(local_run / "data" / "filtered")
     reference = json.loads((local_run / "metrics" / "filter.json").read_text())
     assert result["metrics"]["domains"] == reference["domains"]
+
+
+def test_an_unreachable_cluster_is_one_line_in_seconds(monkeypatch):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    if ray.is_initialized():  # the session's instance would be reused
+        monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    start = time.monotonic()
+    with pytest.raises(ExecutorError, match=f"cannot reach the Ray cluster at 127.0.0.1:{port}"):
+        RayExecutor(ExecutorConfig("ray"))
+    assert time.monotonic() - start < 10

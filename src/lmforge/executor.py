@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import socket
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -152,6 +153,20 @@ def _import_ray() -> Any:
     return ray
 
 
+def check_reachable(address: str, timeout: float = 5.0) -> None:
+    """Fail in seconds, with one line, when nothing listens at a ``host:port`` Ray
+    address (``ray.init`` itself retries for minutes). ``auto`` and ``local`` pass."""
+    hostport = address.removeprefix("ray://")
+    if hostport in ("auto", "local") or ":" not in hostport:
+        return
+    host, _, port = hostport.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except (OSError, ValueError) as e:
+        raise ExecutorError(f"executor: cannot reach the Ray cluster at {address}: "
+                            f"{e.strerror or e}") from None
+
+
 class RayExecutor(Executor):
     """One Ray task per item, at most ``2 x`` the cluster's task slots in flight."""
 
@@ -162,6 +177,8 @@ class RayExecutor(Executor):
         self.cfg = cfg
         if not ray.is_initialized():
             address = cfg.address or os.environ.get("RAY_ADDRESS") or None
+            if address:
+                check_reachable(address)
             try:
                 ray.init(address=address, include_dashboard=False, log_to_driver=True,
                          configure_logging=False)
