@@ -1,0 +1,314 @@
+"""Dedup as sketch / exact / bands / components / write tasks: the clusters of the old
+driver (datasketch MinHashLSH queried before each insert, a union-find), exact buckets,
+a rerun after an interrupt that skips the finished tasks, and Ray writing local bytes."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from datasketch import LeanMinHash, MinHashLSH
+
+from lmforge.config import DedupConfig, ExecutorConfig
+from lmforge.data import dedup, minhash
+from lmforge.data.dedup import cluster_roots, lsh_threshold, run_dedup
+from lmforge.data.records import SCHEMA
+from lmforge.executor import LocalExecutor
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = [f"w{i}{c}" for i in range(400) for c in "ab"]
+HANZI = [chr(0x4E00 + i * 7) for i in range(600)]
+STEPS = ("sketch_part", "band_edges", "write_part")
+
+
+# --- the old algorithm, for reference ------------------------------------------------
+
+
+def reference_roots(keys: list[bytes], sigs: np.ndarray, cfg: DedupConfig) -> np.ndarray:
+    """The old driver: exact groups by a dict; each representative queries a MinHashLSH
+    before it is inserted, and joins the candidates whose estimated Jaccard passes."""
+    parent = list(range(len(keys)))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            x = parent[x]
+        return x
+
+    def union(a: int, b: int) -> None:
+        ra, rb = find(a), find(b)
+        parent[max(ra, rb)] = min(ra, rb)
+
+    first: dict[bytes, int] = {}
+    reps = []
+    for i, key in enumerate(keys):
+        j = first.setdefault(key, i)
+        if j == i or not cfg.exact:
+            reps.append(i)
+        else:
+            union(i, j)
+    if cfg.near:
+        lsh = MinHashLSH(num_perm=cfg.num_perm, params=(cfg.bands, cfg.rows))
+        threshold = lsh_threshold(cfg.bands, cfg.rows)
+        for i in reps:
+            m = LeanMinHash(seed=cfg.seed, hashvalues=sigs[i], scheme=minhash.LSH_SCHEME)
+            for j in lsh.query(m):
+                if minhash.jaccard(sigs[j], sigs[i]) >= threshold:
+                    union(i, j)
+            lsh.insert(i, m, check_duplication=False)
+    return np.array([find(i) for i in range(len(keys))])
+
+
+def reference_clusters(texts: list[str], ids: list[str], cfg: DedupConfig) -> dict[str, str]:
+    norms = [minhash.normalize(t) for t in texts]
+    sigs = minhash.signatures(norms, cfg.num_perm, cfg.seed, cfg.scheme, cfg.shingle,
+                              cfg.word_ngram, cfg.char_ngram)
+    roots = reference_roots([minhash.exact_key(t) for t in norms], sigs, cfg)
+    return {i: ids[r] for i, r in zip(ids, roots, strict=True)}
+
+
+# --- corpora ----------------------------------------------------------------------------
+
+
+def write_parts(directory: Path, docs: list[tuple[str, str, str]], per_part: int) -> None:
+    directory.mkdir(parents=True)
+    for k in range(0, len(docs), per_part):
+        chunk = docs[k : k + per_part]
+        n = len(chunk)
+        pq.write_table(pa.table({"id": [d[0] for d in chunk], "text": [d[1] for d in chunk],
+                                 "domain": [d[2] for d in chunk], "source": ["s"] * n,
+                                 "file": ["f"] * n, "line": list(range(n))}, schema=SCHEMA),
+                       directory / f"part-{k // per_part:05d}.parquet")
+
+
+def _mutate(words: list[str], k: int, rng: random.Random) -> list[str]:
+    words = list(words)
+    for i in rng.sample(range(len(words)), k):
+        words[i] = rng.choice(WORDS)
+    return words
+
+
+def near_dup_corpus(seed: int = 3) -> list[tuple[str, str, str]]:
+    """Families whose members are 1..12 words from their base (estimated Jaccard on
+    both sides of the threshold, so chains and refused candidates), a family of 150
+    one-word variants (buckets of dozens in every band), exact copies after
+    normalisation, Chinese variants and unrelated texts, shuffled."""
+    rng = random.Random(seed)
+    docs = []
+    for f in range(8):
+        base = [rng.choice(WORDS) for _ in range(150)]
+        docs += [(f"f{f}-{k}", " ".join(_mutate(base, k, rng)), "en") for k in range(13)]
+    big = [rng.choice(WORDS) for _ in range(120)]
+    docs += [(f"big-{k}", " ".join(_mutate(big, 1, rng)), "en") for k in range(150)]
+    zh = [rng.choice(HANZI) for _ in range(300)]
+    docs += [(f"zh-{k}", "".join(_mutate(zh, k, rng)), "zh") for k in range(12)]
+    docs += [(f"u-{k}", " ".join(rng.choice(WORDS) for _ in range(100)), "en")
+             for k in range(60)]
+    for k, (_, text, domain) in enumerate(rng.sample(docs, 40)):
+        docs.append((f"copy-{k}", "  " + text.upper().replace(" ", "\n", 3) + " ", domain))
+    rng.shuffle(docs)
+    return docs
+
+
+def tree(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def clusters_of(out: Path) -> dict[str, str]:
+    c = pq.read_table(out / "clusters.parquet").to_pydict()
+    return dict(zip(c["id"], c["cluster"], strict=True))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, list[tuple[str, str, str]]]:
+    docs = near_dup_corpus()
+    root = tmp_path_factory.mktemp("corpus")
+    write_parts(root / "in", docs, per_part=31)
+    return root / "in", docs
+
+
+@pytest.fixture(scope="module")
+def local_out(corpus, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("local") / "out"
+    metrics = run_dedup(DedupConfig(num_workers=1), corpus[0], out, LocalExecutor(1))
+    return out, metrics
+
+
+# --- the old algorithm's clusters -----------------------------------------------------
+
+
+def test_clusters_equal_the_old_algorithm_on_many_near_duplicates(corpus, local_out):
+    in_dir, docs = corpus
+    cfg = DedupConfig()
+    expected = reference_clusters([d[1] for d in docs], [d[0] for d in docs], cfg)
+    assert clusters_of(local_out[0]) == expected
+    # The corpus tests what it should: a cluster of over 100, exact and near duplicates.
+    sizes = np.unique(list(expected.values()), return_counts=True)[1]
+    assert sizes.max() >= 100 and local_out[1]["exact_dups"] >= 10
+    assert local_out[1]["near_dups"] > 150
+
+
+def test_without_exact_grouping_clusters_equal_the_old_algorithm(corpus, tmp_path):
+    in_dir, docs = corpus
+    cfg = DedupConfig(exact=False, bands=32, rows=4, num_workers=1)
+    run_dedup(cfg, in_dir, tmp_path / "out", LocalExecutor(1))
+    assert clusters_of(tmp_path / "out") == reference_clusters(
+        [d[1] for d in docs], [d[0] for d in docs], cfg)
+
+
+def test_chunks_shards_and_forests_change_no_byte(corpus, local_out, tmp_path, monkeypatch):
+    """Tiny pair chunks, signature runs and edge caps, and bands split into shards."""
+    monkeypatch.setattr(dedup, "PAIR_CHUNK", 7)
+    monkeypatch.setattr(dedup, "GATHER_ROWS", 5)
+    monkeypatch.setattr(dedup, "EDGE_CAP", 3)
+    monkeypatch.setattr(dedup, "BAND_ROWS_PER_TASK", 60)
+    metrics = run_dedup(DedupConfig(num_workers=1), corpus[0], tmp_path / "out",
+                        LocalExecutor(1))
+    assert metrics == local_out[1]
+    assert tree(tmp_path / "out") == tree(local_out[0])
+
+
+def test_demo_slice_equals_the_old_algorithm(tmp_path):
+    """Two parts of the demo's filtered corpus (its near duplicates are there), plus an
+    exact copy of one of them under other ids."""
+    src = REPO / "data" / "filtered"
+    if not (src / "part-00005.parquet").is_file():
+        pytest.skip("data/filtered is not built (make demo)")
+    (tmp_path / "in").mkdir()
+    tables = [pq.read_table(src / "part-00003.parquet"), pq.read_table(src / "part-00005.parquet")]
+    copy = tables[1].slice(0, 150)
+    tables.append(copy.set_column(0, "id", pa.array([f"copy-{i}" for i in range(len(copy))])))
+    for k, t in enumerate(tables):
+        pq.write_table(t, tmp_path / "in" / f"part-{k:05d}.parquet")
+    cfg = DedupConfig(num_workers=2)
+    metrics = run_dedup(cfg, tmp_path / "in", tmp_path / "out")
+    t = pa.concat_tables(tables)
+    expected = reference_clusters(t.column("text").to_pylist(), t.column("id").to_pylist(), cfg)
+    assert clusters_of(tmp_path / "out") == expected
+    assert metrics["near_dups"] > 0 and metrics["exact_dups"] >= 140
+
+
+# --- buckets are exact -----------------------------------------------------------------
+
+
+def _roots_of(sigs: np.ndarray, keys: list[bytes], cfg: DedupConfig, work: Path,
+              per_part: int = 4) -> np.ndarray:
+    """cluster_roots on signatures written as sketch files, ``per_part`` rows a file."""
+    (work / ".sketch").mkdir(parents=True)
+    stems, offsets = [], [0]
+    for p, lo in enumerate(range(0, len(sigs), per_part)):
+        stems.append(str(work / ".sketch" / f"part-{p:05d}"))
+        np.save(stems[-1] + dedup.SIG_SUFFIX, np.ascontiguousarray(sigs[lo : lo + per_part].T))
+        offsets.append(min(lo + per_part, len(sigs)))
+    key_array = np.frombuffer(b"".join(keys), dtype=np.uint64).reshape(-1, 2)
+    first = dedup.exact_groups(key_array)
+    return cluster_roots(cfg, stems, np.array(offsets), first, work, LocalExecutor(1))
+
+
+def _keys(n: int) -> list[bytes]:
+    return [minhash.exact_key(f"doc {i}") for i in range(n)]
+
+
+def test_a_pair_is_joined_only_when_a_band_is_exactly_equal(tmp_path):
+    cfg = DedupConfig(num_perm=16, bands=4, rows=4)  # threshold (1/4)^(1/4) = 0.707
+    rng = np.random.default_rng(0)
+    fresh = lambda: rng.integers(1 << 20, 1 << 31, 16, dtype=np.uint32)  # noqa: E731
+    s0 = fresh()
+    s1 = s0.copy()
+    s1[12:] = fresh()[12:]  # bands 0-2 equal to doc 0: Jaccard 0.75, joined
+    s2 = s0.copy()
+    s2[::4] += 3  # one slot off in every band: Jaccard 0.75, but no bucket shared
+    s3 = fresh()
+    s3[4:8] = s2[4:8]  # shares band 1 with doc 2 exactly, Jaccard 0.25: refused
+    s4 = s0.copy()
+    s4[3] ^= 1  # band 0 one bit off doc 0's, in its last slot
+    s4[[5, 9, 13]] += 7  # and no other band equal: Jaccard 0.75, not joined
+    s5 = s4.copy()  # all of doc 4's bands: joined to it
+    sigs = np.stack([s0, s1, s2, s3, s4, s5])
+    assert minhash.jaccard(s0, s2) >= lsh_threshold(4, 4) and minhash.jaccard(s0, s4) >= 0.7
+    roots = _roots_of(sigs, _keys(6), cfg, tmp_path, per_part=2)
+    assert roots.tolist() == [0, 0, 2, 3, 4, 4]
+    assert roots.tolist() == reference_roots(_keys(6), sigs, cfg).tolist()
+
+
+def test_a_big_bucket_and_exact_groups_equal_the_old_algorithm(tmp_path, monkeypatch):
+    """300 signatures share band 0 and agree with a base in a random share of the other
+    slots (so Jaccard falls on both sides of the threshold); some are exact copies."""
+    cfg = DedupConfig(num_perm=32, bands=4, rows=8)  # threshold 0.84
+    rng = np.random.default_rng(1)
+    base = rng.integers(0, 1 << 32, 32, dtype=np.uint32)
+    n = 400
+    sigs = rng.integers(0, 1 << 32, (n, 32), dtype=np.uint32)
+    agree = rng.random((n, 32)) < rng.uniform(0.6, 1.0, (n, 1))
+    sigs = np.where(agree, base, sigs).astype(np.uint32)
+    sigs[:300, :8] = base[:8]
+    keys = _keys(n)
+    for i, j in zip(rng.choice(n, 30), rng.choice(n, 30), strict=True):
+        if i != j:
+            keys[j], sigs[j] = keys[i], sigs[i]  # an exact copy has the same signature
+    order = rng.permutation(n)
+    sigs, keys = sigs[order], [keys[i] for i in order]
+    expected = reference_roots(keys, sigs, cfg)
+    monkeypatch.setattr(dedup, "PAIR_CHUNK", 1000)  # the bucket's 45k pairs in chunks
+    roots = _roots_of(sigs, keys, cfg, tmp_path, per_part=64)
+    assert roots.tolist() == expected.tolist()
+    assert 10 < len(np.unique(roots)) < n - 100
+
+
+# --- resuming ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_rerun_after_an_interrupt_skips_the_finished_tasks(corpus, local_out, tmp_path,
+                                                             monkeypatch, step):
+    in_dir = corpus[0]
+    out = tmp_path / "out"
+    total = {"sketch_part": 12, "band_edges": 16, "write_part": 12}
+    assert len(list(in_dir.glob("part-*.parquet"))) == 12
+    done_before = 5
+
+    real = {name: getattr(dedup, name) for name in STEPS}
+    calls: dict[str, int] = dict.fromkeys(STEPS, 0)
+
+    def counting(name: str, fail_after: int | None = None):
+        def run(task):
+            if calls[name] == fail_after:
+                raise RuntimeError(f"interrupted in {name}")
+            calls[name] += 1
+            return real[name](task)
+        return run
+
+    for name in STEPS:
+        monkeypatch.setattr(dedup, name, counting(name, done_before if name == step else None))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        run_dedup(DedupConfig(num_workers=1), in_dir, out, LocalExecutor(1))
+    assert not out.exists() and (tmp_path / ".out.partial").is_dir()
+
+    calls.update(dict.fromkeys(STEPS, 0))
+    for name in STEPS:
+        monkeypatch.setattr(dedup, name, counting(name))
+    metrics = run_dedup(DedupConfig(num_workers=1), in_dir, out, LocalExecutor(1))
+    before = STEPS[: STEPS.index(step)]
+    assert calls == {name: 0 if name in before else
+                     total[name] - done_before if name == step else total[name]
+                     for name in STEPS}
+    assert metrics == local_out[1]
+    assert tree(out) == tree(local_out[0])
+    assert not (tmp_path / ".out.partial").exists()
+
+
+# --- Ray ---------------------------------------------------------------------------------
+
+
+def test_ray_writes_the_local_bytes(ray_cluster, corpus, local_out, tmp_path, monkeypatch):
+    from lmforge.executor import RayExecutor
+
+    monkeypatch.setattr(dedup, "BAND_ROWS_PER_TASK", 150)  # bands in shards too (driver side)
+    metrics = run_dedup(DedupConfig(), corpus[0], tmp_path / "out",
+                        RayExecutor(ExecutorConfig("ray")))
+    assert metrics == local_out[1]
+    assert tree(tmp_path / "out") == tree(local_out[0])
