@@ -52,7 +52,7 @@ def slice_params() -> Params:
     p.dedup = dataclasses.replace(p.dedup, num_workers=2)
     p.mix = dataclasses.replace(p.mix, part_docs=120, min_val_docs=2, min_val_chars=1000,
                                 max_shortfall=1.0, num_workers=2)
-    p.tokenizer = dataclasses.replace(p.tokenizer, vocab_size=600, sample_chars=300_000,
+    p.tokenizer = dataclasses.replace(p.tokenizer, vocab_size=3500, sample_chars=300_000,
                                       num_threads=1)
     p.shards = dataclasses.replace(p.shards, shard_tokens=20_000, num_workers=2)
     p.validate()
