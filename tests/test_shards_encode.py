@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -200,6 +203,18 @@ def test_a_rewritten_part_is_read_afresh(corpus, tmp_path):
     got = encode_rows(tasks[1])
     assert got.tokens.tolist() == tok.encode("beta") * len(got.lengths)
     assert set(got.domains.tolist()) == {1}
+
+
+def test_a_task_imports_no_pandas(corpus):
+    """pyarrow's ``to_numpy`` and ``pa.array`` import pandas: half a second of CPU in
+    every fresh worker, more than a task's own work on small splits."""
+    code = ("import pickle, sys; from lmforge.shards.encode import encode_rows; "
+            "encode_rows(pickle.loads(sys.stdin.buffer.read())); "
+            "print('pandas' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(tasks_for(corpus)[0]),
+                       capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.decode().strip() == "False"
 
 
 def test_model_loads_once_per_process(corpus, tmp_path, monkeypatch):

@@ -249,17 +249,31 @@ def read_rows(path: str | Path, lo: int, hi: int) -> tuple[pa.Array, pa.Array]:
     return cols[0], cols[1]
 
 
+def _ints(arr: pa.Array) -> np.ndarray:
+    """A null-free Arrow integer array as numpy, zero-copy. (``Array.to_numpy`` and
+    ``pa.array`` import pandas: half a second of CPU in every fresh worker process.)"""
+    t = arr.type
+    dtype = np.dtype(f"{'i' if pa.types.is_signed_integer(t) else 'u'}{t.bit_width // 8}")
+    if len(arr) == 0:
+        return np.zeros(0, dtype)
+    return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr),
+                         offset=arr.offset * dtype.itemsize)
+
+
 def encode_rows(task: RowsTask) -> EncodedChunk:
     """Read and encode one task's rows (runs on a worker)."""
     text, domain = read_rows(task.path, task.lo, task.hi)
-    codes = pc.index_in(domain, value_set=pa.array(task.domains, domain.type))
-    if codes.null_count:
-        i = pc.index(pc.is_null(codes), True).as_py()
+    # Domain codes: each distinct name once through Python, then a table lookup.
+    enc = domain.dictionary_encode()
+    code = {name: i for i, name in enumerate(task.domains)}
+    lut = np.array([code.get(name, -1) for name in enc.dictionary.to_pylist()], np.int64)
+    codes = lut[_ints(enc.indices)] if len(lut) else np.zeros(0, np.int64)
+    if len(codes) and codes.min() < 0:
+        i = int(np.argmax(codes < 0))
         raise InputError(f"{task.path}: row {task.lo + i}: domain {domain[i].as_py()!r} was "
                          "not in the part when the run began (changed during the run?)")
     sp = load_model(task.model, task.model_sha256)
     tokens, lengths = encode_texts(sp, text.to_pylist(), task.add_bos, task.add_eos,
                                    np.dtype(task.dtype))
-    nbytes = pc.binary_length(text).to_numpy(zero_copy_only=False).astype(np.uint64)
-    return EncodedChunk(tokens, lengths, nbytes,
-                        codes.to_numpy(zero_copy_only=False).astype(np.uint16))
+    nbytes = _ints(pc.binary_length(text)).astype(np.uint64)
+    return EncodedChunk(tokens, lengths, nbytes, codes.astype(np.uint16))
