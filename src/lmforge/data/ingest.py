@@ -24,7 +24,7 @@ from lmforge.data.readers import Doc
 from lmforge.data.records import COMPRESSION, SCHEMA, PartWriter, iter_batches, write_table
 from lmforge.errors import InputError
 from lmforge.executor import Executor, LocalExecutor, PartLog
-from lmforge.io import files_fingerprint, resumable_dir
+from lmforge.io import atomic_path, files_fingerprint, resumable_dir
 
 REJECTS_SCHEMA = pa.schema(
     [
@@ -91,7 +91,7 @@ def ingest_file(task: FileTask) -> FileResult:
     rejects: list[tuple[str, int, str, str, str]] = []
     rows: dict[str, list[Any]] = {name: [] for name in SCHEMA.names}
     docs = 0
-    with pq.ParquetWriter(task.out, SCHEMA, compression=COMPRESSION) as writer:
+    with atomic_path(task.out) as out, pq.ParquetWriter(out, SCHEMA, compression=COMPRESSION) as writer:
         for rec in records:
             if not isinstance(rec, Doc):
                 rejects.append((task.path, rec.pos, src.domain, rec.reason, rec.detail))

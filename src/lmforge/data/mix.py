@@ -193,7 +193,9 @@ def scatter_part(task: ScatterTask) -> None:
 def gather_part(args: tuple[str, str]) -> int:
     """Order one output part's buckets by their shuffled position and write it."""
     bucket, out = args
-    table = pa.concat_tables(pq.read_table(p) for p in sorted(Path(bucket).iterdir()))
+    # Hidden names are temporaries a killed scatter task left behind.
+    files = sorted(p for p in Path(bucket).iterdir() if not p.name.startswith("."))
+    table = pa.concat_tables(pq.read_table(p) for p in files)
     table = table.take(pc.sort_indices(table.column("_pos"))).drop_columns(["_pos"])
     write_table(table, out)
     return table.num_rows

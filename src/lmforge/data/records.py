@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lmforge.errors import InputError
+from lmforge.io import atomic_path
 
 COMPRESSION = "zstd"
 
@@ -66,8 +67,10 @@ def read_table(path: str | Path, columns: list[str] | None = None) -> pa.Table:
 
 
 def write_table(table: pa.Table, path: str | Path) -> None:
-    """Write ``table`` as one zstd Parquet file (callers write inside an atomic dir)."""
-    pq.write_table(table, path, compression=COMPRESSION)
+    """Write ``table`` as one zstd Parquet file, atomically: a task killed mid-write
+    (and retried, or rerun) never leaves a truncated part under the part's name."""
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression=COMPRESSION)
 
 
 def empty_like(schema: pa.Schema) -> pa.Table:
