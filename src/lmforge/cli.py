@@ -13,6 +13,7 @@ from lmforge.evaluate.harness_cli import add_eval_parser
 from lmforge.export import add_export_parser, add_import_parser
 from lmforge.shards.inspect import add_inspect_parser
 from lmforge.train.checkpoints_cli import add_checkpoints_parser
+from lmforge.train.plan import add_plan_parser
 from lmforge.train.selfcheck import add_train_parser
 
 
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoints_parser(sub)
     add_filter_parser(sub)
     add_eval_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 
