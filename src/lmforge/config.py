@@ -425,6 +425,9 @@ class TrainConfig:
     seed: int = 1337
     # Number of processes (torchrun --nproc_per_node); 1 = plain python.
     nproc: int = 1
+    # With several processes: ddp (each rank holds the whole model and optimizer state)
+    # or fsdp (FSDP2: both sharded over the ranks; lmforge.train.fsdp).
+    strategy: Literal["ddp", "fsdp"] = "ddp"
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = all cores
     # Train LoRA adapters on a frozen model instead of every weight (null = all weights).
     lora: LoraConfig | None = None
@@ -448,6 +451,9 @@ class TrainConfig:
             )
         if self.grad_clip < 0 or self.label_smoothing >= 1:
             raise ConfigError("train.grad_clip must be >= 0 and train.label_smoothing < 1")
+        if self.strategy == "fsdp" and (self.lora is not None or _section(self) != "train"):
+            raise ConfigError(f"{_section(self)}.strategy: fsdp trains pretraining runs only "
+                              "so far (no fine-tuning, no LoRA); use ddp")
 
     def warmup_steps(self) -> int:
         """Warmup in optimizer steps (``warmup`` may be given as a fraction of max_steps)."""
@@ -807,7 +813,8 @@ def _section(obj: Any) -> str:
         MixConfig: "mix", TokenizerConfig: "tokenizer", ShardsConfig: "shards",
         ExecutorConfig: "executor",
         ModelConfig: "model", TrainConfig: "train", EvaluateConfig: "evaluate",
-        SftDataConfig: "sft_data", SftConfig: "sft", EvaluatePostConfig: "evaluate_post",
+        SftDataConfig: "sft_data", SftConfig: "sft", DpoConfig: "dpo",
+        EvaluatePostConfig: "evaluate_post",
         LoraConfig: "lora",
     }.get(type(obj), type(obj).__name__)
 

@@ -114,10 +114,27 @@ def load_checkpoint_model(path: str | os.PathLike, device: str | torch.device = 
     except ConfigError as e:
         raise InputError(f"{path}: bad model config ({e})") from None
     model = Llama(model_cfg, int(state["vocab_size"]))
-    model.load_state_dict(state["model"])
+    weights = state["model"]
+    if state.get("sharded"):  # FSDP: the weights are the shards in step-N.dcp/
+        weights = _load_shards(path.parent / state["sharded"], model)
+    model.load_state_dict(weights)
     config = {"model": state["model_config"], "vocab_size": int(state["vocab_size"]),
               "step": state.get("step")}
     return model.to(device).eval(), config
+
+
+def _load_shards(directory: Path, model: Llama) -> dict[str, torch.Tensor]:
+    """The whole model's weights from an FSDP checkpoint's DCP shards, in this process
+    (DCP reads every rank's shards when no process group is running)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": model.state_dict()}
+    try:
+        dcp.load(state, checkpoint_id=str(directory))
+    except Exception as e:  # missing or partial shards
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise InputError(f"{directory}: unreadable sharded checkpoint ({first})") from None
+    return state["model"]
 
 
 def extend_context(model: Llama, seq_len: int) -> Llama:

@@ -15,6 +15,7 @@ import hashlib
 import json
 import random
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,13 @@ def run_identity(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int
         "data": [manifest_digest(train_manifest), manifest_digest(val_manifest)],
         "tokenizer_sha256": tokenizer_sha256,
     }
+    if train.get("strategy") == "ddp":
+        del train["strategy"]  # the default: runs from before the key keep their names
+    else:
+        # DCP reshards on load, and the loader's position counts windows over all ranks,
+        # so an FSDP run resumes on any number of processes that keeps its global batch.
+        blob["global_batch"] = (train.pop("micro_batch_size") * train.pop("grad_accum_steps")
+                                * blob.pop("world_size"))
     if init_sha256 is not None:
         blob["init_sha256"] = init_sha256
     if replay_manifest is not None:
@@ -94,6 +102,12 @@ def checkpoint_path(directory: Path, step: int) -> Path:
     return Path(directory) / f"step-{step:06d}.pt"
 
 
+def sharded_path(directory: Path, step: int) -> Path:
+    """``directory/step-000050.dcp``: an FSDP checkpoint's shards (its ``.pt`` holds the
+    rest: progress, loader positions, RNG states)."""
+    return Path(directory) / f"step-{step:06d}.dcp"
+
+
 def list_checkpoints(directory: Path) -> list[Path]:
     """Checkpoint files in ``directory``, oldest step first."""
     found = []
@@ -114,6 +128,7 @@ def save_checkpoint(directory: Path, step: int, state: dict[str, Any], keep_last
         torch.save(state, tmp)
     for old in list_checkpoints(directory)[:-keep_last]:
         old.unlink(missing_ok=True)
+        shutil.rmtree(old.with_suffix(".dcp"), ignore_errors=True)
     return path
 
 
@@ -127,7 +142,13 @@ def load_resumable(directory: Path, fp: str,
     """
     directory = Path(directory)
     for tmp in directory.glob(".step-*.tmp"):  # left by a process killed mid-write
-        tmp.unlink(missing_ok=True)
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+    for shards in directory.glob("step-*.dcp"):  # shards whose .pt was never written
+        if not shards.with_suffix(".pt").exists():
+            shutil.rmtree(shards, ignore_errors=True)
     for path in reversed(list_checkpoints(directory)):
         try:
             state = read_checkpoint(path)
@@ -156,6 +177,8 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
         raise ValueError(f"not a full checkpoint: no {', '.join(missing)}")
     if state["format"] != FORMAT:
         raise ValueError(f"checkpoint format {state['format']}, this lmforge reads {FORMAT}")
+    if state.get("sharded") and not (path.parent / state["sharded"] / ".metadata").is_file():
+        raise ValueError(f"its shards {state['sharded']}/ are missing or incomplete")
     return state
 
 

@@ -31,6 +31,14 @@ from lmforge.train import checkpoint as ckpt
 from lmforge.train import runs
 from lmforge.train.compiler import resolve_compile
 from lmforge.train.distributed import DistEnv, all_gather_objects
+from lmforge.train.fsdp import (
+    ensure_process_group,
+    is_sharded,
+    load_sharded,
+    save_sharded,
+    shard_model,
+    unsharded_copy,
+)
 from lmforge.train.optim import build_optimizer
 from lmforge.train.precision import Precision, resolve_precision
 from lmforge.train.probe import probe_micro_batch
@@ -150,8 +158,13 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     if cfg.lora is not None:
         lora = cfg.lora
         apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets)
-    optimizer = build_optimizer(model, cfg, device)
     precision = resolve_precision(cfg.precision, device)
+    if cfg.strategy == "fsdp":
+        # Shard first: the optimizer must be built over the sharded parameters.
+        ensure_process_group(env)
+        shard_model(model, env, precision.name == "bf16",
+                    compile_blocks=resolve_compile(cfg.compile, device)[0])
+    optimizer = build_optimizer(model, cfg, device)
     scaler = precision.grad_scaler()
     micro_batch, accum = cfg.micro_batch_size, cfg.grad_accum_steps
     if cfg.probe_micro_batch:
@@ -229,13 +242,17 @@ def _train_run(params: Params, data: TrainData, objective: Any, model: Llama,
 
     ddp = None
     step_model: torch.nn.Module = model
-    if env.distributed:
+    sharded = is_sharded(model)  # FSDP2: each block gathers its weights as it runs
+    if env.distributed and not sharded:
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
                                       else None)
         step_model = ddp
     eager_model = step_model
     compiled, how = resolve_compile(cfg.compile, device)
-    if compiled:
+    if sharded:
+        how += " per block" if compiled else ""
+        compiled = False  # the blocks were compiled before sharding, if at all
+    elif compiled:
         step_model = torch.compile(step_model)
     # Inductor compiles lazily, so a broken toolchain shows at the first step: keep what
     # it changes, so compile: auto can retry that step eager from the same point.
@@ -251,7 +268,8 @@ def _train_run(params: Params, data: TrainData, objective: Any, model: Llama,
         log(f"train: {model.num_params():,} parameters"
             + (f" ({trained:,} trained: LoRA)" if cfg.lora is not None else "")
             + f", {tokens_per_step:,} tokens/step, "
-            f"{precision.name} on {device}" + (f" x{env.world_size}" if ddp else "")
+            f"{precision.name} on {device}"
+            + (f" x{env.world_size} ({'fsdp' if sharded else 'ddp'})" if env.distributed else "")
             + f", {how}")
     t0 = time.perf_counter()
     interval = _Interval(start_step=step, loss_sum=progress.loss_sum, loss_n=progress.loss_n,
@@ -315,11 +333,15 @@ def _train_run(params: Params, data: TrainData, objective: Any, model: Llama,
                 history.setdefault(step, {"step": step}).update(vals)
                 run.log_metrics(vals, step)
                 log(f"train: step {step}: " + _figures(vals))
-            if env.is_main and cfg.sample_every and step % cfg.sample_every == 0:
+            # Samples decode on rank 0 alone, which a sharded model cannot do (its blocks
+            # gather their weights from every rank): the final model is sampled instead.
+            if env.is_main and cfg.sample_every and step % cfg.sample_every == 0 and not sharded:
                 log_samples(model, prompts or [], decode, cfg.seed, step, run)
-            if cfg.light_every and step % cfg.light_every == 0 and env.is_main:
+            if cfg.light_every and step % cfg.light_every == 0:
                 # Model-only snapshots, kept in the run's directory and never pruned.
-                save_weights(model, checkpoint_dir / "light" / f"step-{step:06d}.safetensors")
+                whole = unsharded_copy(model, env) if sharded else model  # all ranks gather
+                if env.is_main:
+                    save_weights(whole, checkpoint_dir / "light" / f"step-{step:06d}.safetensors")
             # The last step too: a finished run rerun (its outputs deleted, `dvc repro -f`)
             # rebuilds them from there instead of training again.
             if (step % cfg.ckpt_every == 0 or step == cfg.max_steps) and bad_streak == 0:
@@ -341,7 +363,9 @@ def _train_run(params: Params, data: TrainData, objective: Any, model: Llama,
         run.log_metrics({"final_val_loss": val, "skipped_steps": skipped}, step)
         log(f"train: done, step {step}, " + _figures(vals))
         status = "FINISHED"
-        return TrainResult(model, metrics, rows, run.run_id, fp)
+        # After FSDP, rank 0 hands on the whole model (export, evaluation are unchanged).
+        final = unsharded_copy(model, env) if sharded else model
+        return TrainResult(final, metrics, rows, run.run_id, fp)
     except KeyboardInterrupt:
         status = "KILLED"
         raise
@@ -410,11 +434,18 @@ def _restore(state: dict[str, Any], model: Llama, optimizer: torch.optim.Optimiz
              scaler: torch.amp.GradScaler, loader: Any, env: DistEnv,
              objective: Any = None) -> _Progress:
     """Load a checkpoint into the live objects; return the run's progress."""
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    if state.get("sharded"):  # FSDP: every rank reads its shards from the DCP directory
+        load_sharded(Path(state["path"]).parent / state["sharded"], model, optimizer)
+    else:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
     if state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
-    mine = state["ranks"][env.rank]
+    saved = state["ranks"]
+    mine = saved[env.rank] if len(saved) == env.world_size else {
+        # Another world size (FSDP): every rank's loader holds the same position, counted
+        # in windows over all ranks; each rank keeps a saved RNG stream.
+        "loader": saved[0]["loader"], "rng": saved[env.rank % len(saved)]["rng"]}
     loader.load_state_dict(mine["loader"])
     if mine.get("objective") is not None and objective is not None:
         objective.load_state_dict(mine["objective"])
@@ -494,6 +525,8 @@ def _optimizer_step(step_model: torch.nn.Module, ddp: DistributedDataParallel | 
             scaler.scale(weighted).backward()
     scaler.unscale_(optimizer)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
+    if hasattr(norm, "full_tensor"):  # FSDP: a DTensor of partial norms; the global one
+        norm = norm.full_tensor()
     stats = torch.stack([loss_sum, norm.float()])
     if env.distributed:
         dist.all_reduce(stats, op=dist.ReduceOp.AVG if env.device.type == "cuda"
@@ -532,11 +565,15 @@ def evaluate_loss(model: Llama, data: TrainData, params: Params, precision: Prec
     names = list(data.val.domain_names)
     sums = torch.zeros(2, len(names), dtype=torch.float64, device=env.device)
     doc_info = {"return_doc_info": True} if params.model.doc_mask else {}
-    batches = data.eval_batches(data.val, params.model.seq_len, params.train.micro_batch_size,
-                                max_batches=params.train.eval_batches, **doc_info)
-    for i, batch in enumerate(batches):
-        if i % env.world_size != env.rank:  # ranks split the batches, then sum
-            continue
+    batches = list(data.eval_batches(data.val, params.model.seq_len,
+                                     params.train.micro_batch_size,
+                                     max_batches=params.train.eval_batches, **doc_info))
+    mine = batches[env.rank::env.world_size]  # ranks split the batches, then sum
+    # A sharded model's forward is a collective: a rank short of a batch runs one more,
+    # uncounted, so every rank runs as many forwards as the busiest.
+    rounds = -(-len(batches) // env.world_size) if is_sharded(model) and batches else len(mine)
+    for k in range(rounds):
+        batch = mine[k] if k < len(mine) else batches[0]
         inputs = torch.as_tensor(batch["input"]).to(env.device)
         targets = torch.as_tensor(batch["target"]).to(env.device)
         domains = torch.as_tensor(batch["domain"]).to(env.device).flatten()
@@ -547,7 +584,7 @@ def evaluate_loss(model: Llama, data: TrainData, params: Params, precision: Prec
         # Plain cross-entropy, so val loss stays comparable when label smoothing is on.
         nats = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                ignore_index=IGNORE_INDEX, reduction="none")
-        keep = targets.flatten() != IGNORE_INDEX
+        keep = (targets.flatten() != IGNORE_INDEX) & (k < len(mine))
         sums[0].index_add_(0, domains[keep], nats[keep].double())
         sums[1].index_add_(0, domains[keep], torch.ones_like(nats[keep], dtype=torch.float64))
     if env.distributed:
@@ -633,7 +670,11 @@ def _load_resume_state(directory: Path, fp: str, env: DistEnv,
     if chosen[0] is None:
         return None
     state = found[0] if found else ckpt.read_checkpoint(Path(chosen[0]))
-    if len(state["ranks"]) != env.world_size:
+    if len(state["ranks"]) != env.world_size and state.get("sharded"):
+        log(f"train: {chosen[0]} was saved by {len(state['ranks'])} processes, this run has "
+            f"{env.world_size}: DCP reshards the weights and optimizer state, and the loader "
+            "continues at the same window")
+    elif len(state["ranks"]) != env.world_size:
         raise LmforgeError(f"{chosen[0]}: saved by {len(state['ranks'])} processes, "
                            f"this run has {env.world_size}")
     state["path"] = chosen[0]
@@ -648,13 +689,17 @@ def _save(directory: Path, fp: str, progress: _Progress, model: Llama,
     if hasattr(objective, "state_dict"):  # e.g. DPO's reference cache, per rank
         mine["objective"] = objective.state_dict()
     ranks = all_gather_objects(mine, env)
+    sharded = ckpt.sharded_path(directory, progress.step) if is_sharded(model) else None
+    if sharded is not None:  # every rank writes its shards, then rank 0 the .pt
+        save_sharded(sharded, model, optimizer)
     if not env.is_main:
         return None
     p = dataclasses.asdict(progress)
     p["history"] = [progress.history[s] for s in sorted(progress.history)]
+    weights = ({"model": {}, "optimizer": {}, "sharded": sharded.name} if sharded else
+               {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
     state = {
-        "format": ckpt.FORMAT, "fingerprint": fp, "step": progress.step,
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        "format": ckpt.FORMAT, "fingerprint": fp, "step": progress.step, **weights,
         "scaler": scaler.state_dict(), "ranks": ranks, "progress": p,
         # Enough to rebuild the model from this file alone (`lmforge generate --model`).
         "model_config": dataclasses.asdict(model.config),

@@ -1,0 +1,129 @@
+"""FSDP2 (``train.strategy: fsdp``): shard the model and its optimizer state over ranks,
+and checkpoint the shards with ``torch.distributed.checkpoint`` (DCP).
+
+torchtitan's order (models/llama3/infra/parallelize.py): activation checkpointing, then
+compile per block, then ``fully_shard`` on each block and finally on the root, and the
+optimizer built only after sharding (one built before would hold the unsharded
+parameters and train nothing). On GPUs with bf16 the parameters are gathered in bf16 and
+gradients reduced in fp32 (``MixedPrecisionPolicy``); the sharded master weights and the
+optimizer state stay fp32. On CPU (gloo) everything is fp32, which is what the tests run.
+
+A sharded checkpoint is a DCP directory, ``step-NNNNNN.dcp/``: each rank writes its own
+shards (``__<rank>_0.distcp``) and rank 0 the metadata. DCP can load it into another
+world size; the model's full weights are gathered only for export.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from lmforge.model.llama import Llama
+from lmforge.train.distributed import DistEnv
+
+
+def ensure_process_group(env: DistEnv) -> None:
+    """A one-process group when there is no torchrun: FSDP and DCP need one, and a run
+    then saves the same sharded checkpoints at any world size, 1 included."""
+    if not dist.is_initialized():
+        backend = "nccl" if env.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def shard_model(model: Llama, env: DistEnv, bf16: bool, compile_blocks: bool = False) -> Llama:
+    """``fully_shard`` each block, then the root, over all ranks (in place)."""
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if bf16 and env.device.type == "cuda" else MixedPrecisionPolicy())
+    for block in model.layers:
+        if compile_blocks:
+            block.compile()
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    # The root holds the embeddings, the final norm and the head (tied or not).
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when ``model`` was sharded by :func:`shard_model`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights on the CPU of rank 0 (an empty dict elsewhere).
+
+    A collective: every rank must call it.
+    """
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=opts)
+
+
+def unsharded_copy(model: Llama, env: DistEnv) -> Llama | None:
+    """A plain (unsharded) copy of ``model`` on rank 0, None elsewhere; a collective.
+
+    What the loop hands on after FSDP training: evaluation, samples and export then
+    work on an ordinary module, as after DDP.
+    """
+    state = full_state(model)
+    if not env.is_main:
+        return None
+    plain = Llama(model.config, model.vocab_size)
+    for attr in ("label_smoothing", "z_loss", "fused_loss"):
+        setattr(plain, attr, getattr(model, attr))
+    plain.load_state_dict(state)
+    return plain.to(env.device)
+
+
+def local_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds of the parameters and of the optimizer state (its shards)."""
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    params = sum(local(p).numel() * p.element_size() for p in model.parameters())
+    state = sum(local(v).numel() * v.element_size()
+                for s in optimizer.state.values() for v in s.values()
+                if torch.is_tensor(v) and v.dim() > 0)
+    return {"params": int(params), "optimizer": int(state)}
+
+
+def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank writes its shards of model + optimizer into the DCP directory ``path``.
+
+    Written under a temporary name and renamed by rank 0 once all ranks are done, so a
+    kill never leaves a half checkpoint under the final name.
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.replace(path)
+    dist.barrier()
+
+
+def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load a DCP checkpoint into the sharded model and optimizer (any world size)."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])

@@ -1,0 +1,202 @@
+"""train.strategy: fsdp under two gloo ranks on CPU: the DDP trajectory, sharded DCP
+checkpoints that resume bit-identically after a SIGKILL, and 1/world of the bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from test_train_loop import stage_repo
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def start_ranks(root: Path, argv: list[str], mlflow_db: Path) -> list[subprocess.Popen]:
+    """Start ``python argv`` as two gloo ranks, as torchrun would."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, PYTHONPATH=str(REPO), DVC_ROOT=str(root), RANK=str(rank),
+                   LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   MLFLOW_TRACKING_URI=f"sqlite:///{mlflow_db}")
+        procs.append(subprocess.Popen([sys.executable, *argv], cwd=root, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    return procs
+
+
+def wait(procs: list[subprocess.Popen]) -> list[str]:
+    outs = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out
+        outs.append(out)
+    return outs
+
+
+def fsdp_repo(root: Path, strategy: str, **train: object) -> Path:
+    stage_repo(root)
+    params = yaml.safe_load((root / "params.yaml").read_text(encoding="utf-8"))
+    params["train"].update(nproc=2, strategy=strategy, micro_batch_size=4, max_steps=10,
+                           log_every=1, eval_every=5, compile=False, num_threads=1, **train)
+    (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
+    return root
+
+
+def losses(root: Path) -> list[float]:
+    rows = (root / "plots" / "train.tsv").read_text().splitlines()
+    col = rows[0].split("\t").index("loss")
+    return [float(r.split("\t")[col]) for r in rows[1:]]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """An unbroken two-rank FSDP run: 10 steps, a checkpoint every 4."""
+    root = fsdp_repo(tmp_path_factory.mktemp("straight"), "fsdp", ckpt_every=4)
+    out = wait(start_ranks(root, ["-m", "stages.train"], root.parent / "mlflow.db"))[0]
+    assert "x2 (fsdp)" in out, out
+    return root
+
+
+def kill_after_checkpoint(root: Path, procs: list[subprocess.Popen], step: int) -> Path:
+    """SIGKILL every process once checkpoint ``step`` exists; return the run directory."""
+    deadline = time.time() + 240
+    ckpts = root / "models" / "checkpoints"
+    while time.time() < deadline and not list(ckpts.glob(f"*/step-{step:06d}.pt")):
+        assert all(p.poll() is None for p in procs), "finished before the kill"
+        time.sleep(0.05)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    return next(ckpts.glob(f"*/step-{step:06d}.pt")).parent
+
+
+def final_weights(root: Path) -> dict[str, torch.Tensor]:
+    return load_file(root / "models" / "final" / "model.safetensors")
+
+
+def test_fsdp_follows_the_ddp_trajectory(straight, tmp_path):
+    ddp = fsdp_repo(tmp_path / "ddp", "ddp", ckpt_every=4)
+    wait(start_ranks(ddp, ["-m", "stages.train"], tmp_path / "mlflow.db"))
+    a, b = losses(ddp), losses(straight)
+    assert len(a) == len(b) == 10
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
+    va = json.loads((ddp / "metrics" / "train.json").read_text())["val_loss"]
+    vb = json.loads((straight / "metrics" / "train.json").read_text())["val_loss"]
+    assert abs(va - vb) < 1e-5
+    # The consolidated export: the same tensors, whole, in models/final.
+    wa, wb = final_weights(ddp), final_weights(straight)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert wa[name].shape == wb[name].shape
+        assert torch.allclose(wa[name], wb[name], atol=1e-5), name
+
+
+def test_sigkilled_fsdp_run_resumes_bit_identical(straight, tmp_path):
+    killed = fsdp_repo(tmp_path / "killed", "fsdp", ckpt_every=4)
+    procs = start_ranks(killed, ["-m", "stages.train"], tmp_path / "mlflow.db")
+    run_dir = kill_after_checkpoint(killed, procs, 4)
+    shards = run_dir / "step-000004.dcp"
+    assert sorted(f.name for f in shards.iterdir() if f.suffix == ".distcp") == [
+        "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own shards
+
+    outs = wait(start_ranks(killed, ["-m", "stages.train"], tmp_path / "mlflow.db"))
+    assert "resuming from" in outs[0], outs[0]
+    a, b = final_weights(straight), final_weights(killed)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert losses(straight) == losses(killed)
+    # keep_last 2 prunes a checkpoint's shards with it; the last one, consolidated in
+    # one process (lmforge generate --model step-*.pt), is the exported model.
+    assert sorted(f.name for f in run_dir.iterdir() if f.name.startswith("step-")) == [
+        "step-000008.dcp", "step-000008.pt", "step-000010.dcp", "step-000010.pt"]
+    from lmforge.model.saved import load_model
+
+    last = load_model(run_dir / "step-000010.pt")[0].state_dict()
+    for name in b:
+        assert torch.equal(last[name], b[name]), name
+
+
+def test_a_two_rank_fsdp_run_resumes_on_one_process(straight, tmp_path):
+    """2 -> 1: DCP reshards; one process with twice the micro batch keeps the global
+    batch, and the loader goes on at the same window, none skipped or repeated."""
+    root = fsdp_repo(tmp_path / "resized", "fsdp", ckpt_every=4)
+    kill_after_checkpoint(root, start_ranks(root, ["-m", "stages.train"],
+                                            tmp_path / "mlflow.db"), 4)
+    params = yaml.safe_load((root / "params.yaml").read_text(encoding="utf-8"))
+    params["train"].update(nproc=1, micro_batch_size=8)
+    (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
+    env = dict(os.environ, PYTHONPATH=str(REPO), DVC_ROOT=str(root),
+               MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    proc = subprocess.run([sys.executable, "-m", "stages.train"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "saved by 2 processes, this run has 1" in proc.stdout, proc.stdout
+    metrics = json.loads((root / "metrics" / "train.json").read_text())
+    assert metrics["steps"] == 10 and metrics["world_size"] == 1
+    assert metrics["tokens"] == 10 * 8 * 32
+
+    def loader_at_end(run_root: Path) -> dict:
+        last = next((run_root / "models" / "checkpoints").glob("*/step-000010.pt"))
+        return torch.load(last, weights_only=True)["ranks"][0]["loader"]
+
+    assert loader_at_end(root) == loader_at_end(straight)
+    # The same windows in every step: the losses agree to float rounding.
+    a, b = losses(straight), losses(root)
+    assert a[:4] == b[:4]
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4, (a, b)
+    wa, wb = final_weights(straight), final_weights(root)
+    for name in wa:
+        assert torch.allclose(wa[name], wb[name], atol=1e-4), name
+
+
+_BYTES = textwrap.dedent("""
+    import json, torch, torch.distributed as dist
+    from lmforge.config import ModelConfig, TrainConfig
+    from lmforge.model.llama import Llama
+    from lmforge.train.distributed import setup
+    from lmforge.train.fsdp import local_bytes, shard_model
+    from lmforge.train.optim import build_optimizer
+    env = setup("cpu", 1)
+    cfg = ModelConfig(n_layer=4, n_head=4, n_embd=128, seq_len=32)
+    torch.manual_seed(0)
+    model = Llama(cfg, 512)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    shard_model(model, env, bf16=False)
+    opt = build_optimizer(model, TrainConfig(), env.device)
+    x = torch.randint(0, 512, (2, 32))
+    model(x, x)[1].backward()
+    opt.step()
+    print("BYTES", json.dumps({"whole": whole, **local_bytes(model, opt)}))
+    dist.destroy_process_group()
+""")
+
+
+def test_each_rank_holds_half_the_parameter_and_optimizer_bytes(tmp_path):
+    (tmp_path / "bytes.py").write_text(_BYTES, encoding="utf-8")
+    outs = wait(start_ranks(tmp_path, ["bytes.py"], tmp_path / "mlflow.db"))
+    figures = [json.loads(next(ln for ln in out.splitlines() if ln.startswith("BYTES "))[6:])
+               for out in outs]
+    whole = figures[0]["whole"]
+    for f in figures:
+        # Dim-0 shards: each rank holds ceil(rows / 2) of every tensor, so about half.
+        assert abs(f["params"] - whole / 2) <= 0.01 * whole, f
+        # AdamW: two fp32 moments per local element (DDP would hold 2 x whole).
+        assert abs(f["optimizer"] - whole) <= 0.02 * whole, f
+    assert sum(f["params"] for f in figures) >= whole
