@@ -171,28 +171,32 @@ _BYTES = textwrap.dedent("""
     from lmforge.config import ModelConfig, TrainConfig
     from lmforge.model.llama import Llama
     from lmforge.train.distributed import setup
-    from lmforge.train.fsdp import local_bytes, shard_model
+    from lmforge.train.fsdp import build_sharded, full_state, local_bytes
     from lmforge.train.optim import build_optimizer
     env = setup("cpu", 1)
     cfg = ModelConfig(n_layer=4, n_head=4, n_embd=128, seq_len=32)
     torch.manual_seed(0)
-    model = Llama(cfg, 512)
-    whole = sum(p.numel() * p.element_size() for p in model.parameters())
-    shard_model(model, env, bf16=False)
+    eager = Llama(cfg, 515)  # 515 rows: the last rank's shard of the embedding is short
+    whole = sum(p.numel() * p.element_size() for p in eager.parameters())
+    torch.manual_seed(0)
+    model = build_sharded(cfg, 515, env, bf16=False)
+    full = full_state(model)
+    same = all(torch.equal(full[k], v) for k, v in eager.state_dict().items()) if full else None
     opt = build_optimizer(model, TrainConfig(), env.device)
-    x = torch.randint(0, 512, (2, 32))
+    x = torch.randint(0, 515, (2, 32))
     model(x, x)[1].backward()
     opt.step()
-    print("BYTES", json.dumps({"whole": whole, **local_bytes(model, opt)}))
+    print("BYTES", json.dumps({"whole": whole, "same_init": same, **local_bytes(model, opt)}))
     dist.destroy_process_group()
 """)
 
 
-def test_each_rank_holds_half_the_parameter_and_optimizer_bytes(tmp_path):
+def test_each_rank_holds_half_the_parameter_and_optimizer_bytes_from_a_meta_build(tmp_path):
     (tmp_path / "bytes.py").write_text(_BYTES, encoding="utf-8")
     outs = wait(start_ranks(tmp_path, ["bytes.py"], tmp_path / "mlflow.db"))
     figures = [json.loads(next(ln for ln in out.splitlines() if ln.startswith("BYTES "))[6:])
                for out in outs]
+    assert figures[0]["same_init"] is True  # built on meta, shard by shard: the eager values
     whole = figures[0]["whole"]
     for f in figures:
         # Dim-0 shards: each rank holds ceil(rows / 2) of every tensor, so about half.
@@ -200,3 +204,24 @@ def test_each_rank_holds_half_the_parameter_and_optimizer_bytes(tmp_path):
         # AdamW: two fp32 moments per local element (DDP would hold 2 x whole).
         assert abs(f["optimizer"] - whole) <= 0.02 * whole, f
     assert sum(f["params"] for f in figures) >= whole
+
+
+def test_meta_build_in_one_process_is_the_eager_model_bit_for_bit():
+    from lmforge.config import ModelConfig
+    from lmforge.model.llama import Llama
+    from lmforge.train.distributed import DistEnv
+    from lmforge.train.fsdp import build_sharded, ensure_process_group, full_state
+
+    env = DistEnv(0, 1, 0, torch.device("cpu"))
+    ensure_process_group(env)
+    for tie in (False, True):
+        cfg = ModelConfig(n_layer=3, n_head=4, n_embd=64, seq_len=32, tie_embeddings=tie)
+        torch.manual_seed(5)
+        eager = Llama(cfg, 300).state_dict()
+        after_eager = torch.rand(4)
+        torch.manual_seed(5)
+        full = full_state(build_sharded(cfg, 300, env, bf16=False))
+        assert torch.equal(torch.rand(4), after_eager)  # the generator moved on alike
+        assert full.keys() == eager.keys()
+        for name, value in eager.items():
+            assert torch.equal(full[name], value), (tie, name)

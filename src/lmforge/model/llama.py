@@ -214,6 +214,21 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
+@torch.no_grad()
+def init_parameter(name: str, p: torch.Tensor, n_layer: int) -> None:
+    """N(0, 0.02), norms at 1, residual output projections at 0.02/sqrt(2 n_layer).
+
+    One parameter at a time, so a sharded model can be initialised tensor by tensor
+    with the same values (lmforge.train.fsdp.build_sharded)."""
+    std = 0.02
+    if name.endswith("norm.weight"):
+        nn.init.ones_(p)
+    elif name.endswith(("attn.wo.weight", "mlp.w2.weight")):
+        nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * n_layer))
+    else:
+        nn.init.normal_(p, mean=0.0, std=std)
+
+
 class Llama(nn.Module):
     """The decoder. ``forward(idx)`` -> logits; ``forward(idx, targets)`` -> (logits, loss).
 
@@ -243,15 +258,9 @@ class Llama(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """N(0, 0.02) everywhere; residual output projections scaled by 1/sqrt(2 n_layer)."""
-        std = 0.02
+        """Every parameter initialised by :func:`init_parameter`, in order."""
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(p)
-            elif name.endswith(("attn.wo.weight", "mlp.w2.weight")):
-                nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
-            else:
-                nn.init.normal_(p, mean=0.0, std=std)
+            init_parameter(name, p, self.config.n_layer)
 
     def num_params(self) -> int:
         """Number of distinct parameters (a tied embedding counts once)."""

@@ -15,6 +15,7 @@ world size; the model's full weights are gathered only for export.
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from lmforge.model.llama import Llama
+from lmforge.config import ModelConfig
+from lmforge.model.llama import Llama, init_parameter, rope_tables
 from lmforge.train.distributed import DistEnv
 
 
@@ -54,6 +56,41 @@ def shard_model(model: Llama, env: DistEnv, bf16: bool, compile_blocks: bool = F
         fully_shard(block, mesh=mesh, mp_policy=policy)
     # The root holds the embeddings, the final norm and the head (tied or not).
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def build_sharded(cfg: ModelConfig, vocab_size: int, env: DistEnv, bf16: bool,
+                  compile_blocks: bool = False) -> Llama:
+    """The model as ``Llama(cfg, vocab_size)`` would make it under the current seed, but
+    built on the meta device, sharded, and initialised shard by shard: no rank ever holds
+    more than one whole parameter (the embedding, at most).
+
+    Bit-identical to the eager model: first every layer's own constructor-time init is
+    replayed on a throwaway copy, one layer at a time (its random draws put the generator
+    where ``Llama.reset_parameters`` starts), then each parameter's full value is drawn
+    as ``reset_parameters`` draws it and this rank keeps its dim-0 chunk, as FSDP2
+    shards it (``torch.chunk``).
+    """
+    with torch.device("meta"):
+        model = Llama(cfg, vocab_size)
+    for module in model.modules():  # registration order = construction order
+        own = list(module.parameters(recurse=False))
+        if module is not model and own and hasattr(module, "reset_parameters"):
+            scratch = copy.deepcopy(module).to_empty(device="cpu")
+            scratch.reset_parameters()
+    shard_model(model, env, bf16, compile_blocks)
+    model.to_empty(device=env.device)
+    for name, p in model.named_parameters():
+        full = torch.empty(p.shape)
+        init_parameter(name, full, cfg.n_layer)
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.numel():
+            rows = -(-full.shape[0] // env.world_size)  # torch.chunk's size; the last is short
+            with torch.no_grad():
+                local.copy_(full[env.rank * rows : env.rank * rows + local.shape[0]])
+    # Buffers are derived from the config: compute them where the model now lives.
+    cos, sin = rope_tables(cfg.seq_len, cfg.n_embd // cfg.n_head, cfg.rope_base)
+    model.rope_cos, model.rope_sin = cos.to(env.device), sin.to(env.device)
     return model
 
 

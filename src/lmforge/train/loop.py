@@ -32,6 +32,7 @@ from lmforge.train import runs
 from lmforge.train.compiler import resolve_compile
 from lmforge.train.distributed import DistEnv, all_gather_objects
 from lmforge.train.fsdp import (
+    build_sharded,
     ensure_process_group,
     is_sharded,
     load_sharded,
@@ -147,8 +148,14 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     log = log if env.is_main else _silent
 
     make_reproducible(device)
+    precision = resolve_precision(cfg.precision, device)
+    bf16, compile_blocks = precision.name == "bf16", resolve_compile(cfg.compile, device)[0]
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model = Llama(mcfg, vocab).to(device)
+    if cfg.strategy == "fsdp" and not cfg.init_from:
+        ensure_process_group(env)  # FSDP and DCP need one, even in a single process
+        model = build_sharded(mcfg, vocab, env, bf16, compile_blocks)
+    else:
+        model = Llama(mcfg, vocab).to(device)
     model.label_smoothing, model.z_loss = cfg.label_smoothing, cfg.z_loss
     model.fused_loss = cfg.fused_loss
     model.activation_checkpointing = cfg.activation_checkpointing
@@ -158,12 +165,10 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     if cfg.lora is not None:
         lora = cfg.lora
         apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets)
-    precision = resolve_precision(cfg.precision, device)
-    if cfg.strategy == "fsdp":
-        # Shard first: the optimizer must be built over the sharded parameters.
+    if cfg.strategy == "fsdp" and not is_sharded(model):  # warm-started: whole, then shard
         ensure_process_group(env)
-        shard_model(model, env, precision.name == "bf16",
-                    compile_blocks=resolve_compile(cfg.compile, device)[0])
+        shard_model(model, env, bf16, compile_blocks)
+    # After sharding: an optimizer built before would hold the unsharded parameters.
     optimizer = build_optimizer(model, cfg, device)
     scaler = precision.grad_scaler()
     micro_batch, accum = cfg.micro_batch_size, cfg.grad_accum_steps
