@@ -225,3 +225,49 @@ def test_meta_build_in_one_process_is_the_eager_model_bit_for_bit():
         assert full.keys() == eager.keys()
         for name, value in eager.items():
             assert torch.equal(full[name], value), (tie, name)
+
+
+def test_async_save_writes_the_state_of_its_step_and_commits_later(tmp_path):
+    from lmforge.config import ModelConfig, TrainConfig
+    from lmforge.train.distributed import DistEnv
+    from lmforge.train.fsdp import (
+        AsyncShardSaver,
+        build_sharded,
+        ensure_process_group,
+        full_state,
+        load_sharded,
+    )
+    from lmforge.train.optim import build_optimizer
+
+    env = DistEnv(0, 1, 0, torch.device("cpu"))
+    ensure_process_group(env)
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, seq_len=32)
+
+    def step(model, opt, x):
+        model(x, x)[1].backward()
+        opt.step()
+        opt.zero_grad()
+
+    torch.manual_seed(0)
+    model = build_sharded(cfg, 300, env, bf16=False)
+    opt = build_optimizer(model, TrainConfig(), env.device)
+    x = torch.randint(0, 300, (2, 32))
+    step(model, opt, x)
+    saved = {k: v.clone() for k, v in full_state(model).items()}
+    committed: list[int] = []
+    saver = AsyncShardSaver()
+    saver.save(tmp_path / "step-000001.dcp", model, opt, lambda: committed.append(1))
+    for _ in range(3):  # training goes on while the shards are written
+        step(model, opt, x)
+    assert not committed and not (tmp_path / "step-000001.dcp").exists()
+    saver.finish()
+    assert committed == [1] and (tmp_path / "step-000001.dcp" / ".metadata").is_file()
+    assert not list(tmp_path.glob(".*"))
+
+    torch.manual_seed(1)
+    other = build_sharded(cfg, 300, env, bf16=False)
+    other_opt = build_optimizer(other, TrainConfig(), env.device)
+    load_sharded(tmp_path / "step-000001.dcp", other, other_opt)
+    loaded = full_state(other)
+    for name, value in saved.items():
+        assert torch.equal(loaded[name], value), name

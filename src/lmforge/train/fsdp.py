@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -138,23 +139,49 @@ def local_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     return {"params": int(params), "optimizer": int(state)}
 
 
-def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Every rank writes its shards of model + optimizer into the DCP directory ``path``.
+class AsyncShardSaver:
+    """Sharded checkpoints written in the background (``dcp.async_save``).
 
-    Written under a temporary name and renamed by rank 0 once all ranks are done, so a
-    kill never leaves a half checkpoint under the final name.
+    At a checkpoint step the state is staged (copied off the live tensors) and training
+    goes on while a thread writes it; the checkpoint is committed (renamed into place,
+    then ``commit`` writes its ``.pt``) at the next checkpoint or at :meth:`finish`. A
+    kill before the commit leaves only a hidden temporary: the run resumes from the
+    previous checkpoint. DCP's own collectives run on a separate gloo group, so they
+    never interleave with the training step's.
     """
-    tmp = path.with_name(f".{path.name}.tmp")
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.replace(path)
-    dist.barrier()
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo")
+        self.pending: tuple[Any, Path, Path, Callable[[], None] | None] | None = None
+
+    def save(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             commit: Callable[[], None] | None) -> None:
+        """Commit the previous checkpoint, then start writing this one (every rank)."""
+        self.finish()
+        tmp = path.with_name(f".{path.name}.tmp")
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        model_state, optim_state = get_state_dict(model, optimizer)
+        future = dcp.async_save({"model": model_state, "optimizer": optim_state},
+                                checkpoint_id=str(tmp), process_group=self.group)
+        self.pending = (future, tmp, path, commit)
+
+    def finish(self) -> None:
+        """Wait for the checkpoint being written and commit it (every rank)."""
+        if self.pending is None:
+            return
+        future, tmp, path, commit = self.pending
+        self.pending = None
+        result = getattr(future, "upload_completion", future)  # AsyncSaveResponse or Future
+        result.result()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
+            tmp.replace(path)
+            if commit is not None:
+                commit()
+        dist.barrier()
 
 
 def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -32,11 +32,11 @@ from lmforge.train import runs
 from lmforge.train.compiler import resolve_compile
 from lmforge.train.distributed import DistEnv, all_gather_objects
 from lmforge.train.fsdp import (
+    AsyncShardSaver,
     build_sharded,
     ensure_process_group,
     is_sharded,
     load_sharded,
-    save_sharded,
     shard_model,
     unsharded_copy,
 )
@@ -248,6 +248,7 @@ def _train_run(params: Params, data: TrainData, objective: Any, model: Llama,
     ddp = None
     step_model: torch.nn.Module = model
     sharded = is_sharded(model)  # FSDP2: each block gathers its weights as it runs
+    saver = AsyncShardSaver() if sharded else None
     if env.distributed and not sharded:
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
                                       else None)
@@ -354,7 +355,9 @@ def _train_run(params: Params, data: TrainData, objective: Any, model: Llama,
                                  progress.wall_seconds + time.perf_counter() - t0,
                                  interval.loss_sum, interval.loss_n, dict(interval.stats))
                 path = _save(checkpoint_dir, fp, done, model, optimizer, scaler, loader, env,
-                             cfg.keep_last, objective)
+                             cfg.keep_last, objective, saver)
+                if saver is not None and step == cfg.max_steps:
+                    saver.finish()  # the last checkpoint is on disk before the outputs
                 last_good_ckpt = path or last_good_ckpt
             interval.excluded += time.perf_counter() - paused
 
@@ -373,6 +376,9 @@ def _train_run(params: Params, data: TrainData, objective: Any, model: Llama,
         return TrainResult(final, metrics, rows, run.run_id, fp)
     except KeyboardInterrupt:
         status = "KILLED"
+        if saver is not None:  # Ctrl-C reaches every rank: commit what is being written
+            with contextlib.suppress(Exception):
+                saver.finish()
         raise
     finally:
         run.finish(status)
@@ -688,16 +694,20 @@ def _load_resume_state(directory: Path, fp: str, env: DistEnv,
 
 def _save(directory: Path, fp: str, progress: _Progress, model: Llama,
           optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, loader: Any,
-          env: DistEnv, keep_last: int, objective: Any = None) -> str | None:
-    """Gather every rank's loader, RNG and objective state; rank 0 writes the checkpoint."""
+          env: DistEnv, keep_last: int, objective: Any = None,
+          saver: AsyncShardSaver | None = None) -> str | None:
+    """Gather every rank's loader, RNG and objective state; rank 0 writes the checkpoint.
+
+    With FSDP (``saver``) every rank's shards are written in the background and the
+    checkpoint is committed at the next save (or ``saver.finish()``)."""
     mine = {"loader": loader.state_dict(), "rng": ckpt.capture_rng(env.device)}
     if hasattr(objective, "state_dict"):  # e.g. DPO's reference cache, per rank
         mine["objective"] = objective.state_dict()
     ranks = all_gather_objects(mine, env)
-    sharded = ckpt.sharded_path(directory, progress.step) if is_sharded(model) else None
-    if sharded is not None:  # every rank writes its shards, then rank 0 the .pt
-        save_sharded(sharded, model, optimizer)
+    sharded = ckpt.sharded_path(directory, progress.step) if saver is not None else None
     if not env.is_main:
+        if saver is not None and sharded is not None:  # this rank's shards, in the background
+            saver.save(sharded, model, optimizer, None)
         return None
     p = dataclasses.asdict(progress)
     p["history"] = [progress.history[s] for s in sorted(progress.history)]
@@ -710,6 +720,13 @@ def _save(directory: Path, fp: str, progress: _Progress, model: Llama,
         "model_config": dataclasses.asdict(model.config),
         "vocab_size": model.vocab_size,
     }
-    path = ckpt.save_checkpoint(directory, progress.step, state, keep_last)
-    runs.update_run(directory, last_step=progress.step, last_checkpoint=path.name)
-    return str(path)
+
+    def commit() -> None:  # the .pt is the commit point: written after the shards
+        path = ckpt.save_checkpoint(directory, progress.step, state, keep_last)
+        runs.update_run(directory, last_step=progress.step, last_checkpoint=path.name)
+
+    if saver is not None and sharded is not None:
+        saver.save(sharded, model, optimizer, commit)  # committed at the next save or finish
+    else:
+        commit()
+    return str(ckpt.checkpoint_path(directory, progress.step))
