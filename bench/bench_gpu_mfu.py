@@ -10,9 +10,12 @@ Figures, all measured in the same run:
 * tokens/s and achieved model TFLOP/s (6 N + 12 L d T per token, PaLM appendix B);
 * MFU against the device's dense bf16 peak from its spec sheet (``telemetry.PEAK_FLOPS``);
 * the same against a large bf16 matmul timed here first, the practical ceiling, so the
-  ratio is meaningful on any GPU, even one whose spec peak is unknown.
+  ratio is meaningful on any GPU, even one whose spec peak is unknown;
+* each for the plain module (what DDP wraps) and for FSDP2 (``train.strategy: fsdp``,
+  on a one-process mesh: its gather/reshard hooks, per-block compile, bf16 parameters
+  with fp32 reduction), and their ratio.
 
-    .venv/bin/python bench/bench_gpu_mfu.py                      # 124M, bf16, compiled
+    .venv/bin/python bench/bench_gpu_mfu.py                      # 124M, bf16, ddp + fsdp
     .venv/bin/python bench/bench_gpu_mfu.py --micro 32 --steps 40
     .venv/bin/python bench/bench_gpu_mfu.py --tiny --device cpu  # smoke test of the script
 """
@@ -34,6 +37,7 @@ from lmforge.shards.loader import ShardSet, WindowLoader
 from lmforge.shards.writer import write_shards
 from lmforge.train.compiler import resolve_compile
 from lmforge.train.distributed import DistEnv
+from lmforge.train.fsdp import build_sharded, ensure_process_group
 from lmforge.train.loop import _optimizer_step
 from lmforge.train.optim import build_optimizer
 from lmforge.train.precision import resolve_precision
@@ -72,25 +76,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
-    ap.add_argument("--compile", default="auto", choices=["auto", "true", "false"])
-    ap.add_argument("--micro", type=int, default=None, help="windows per micro-batch")
-    ap.add_argument("--accum", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=30, help="timed optimizer steps")
-    ap.add_argument("--warmup", type=int, default=8, help="untimed steps first (compiles)")
-    ap.add_argument("--tiny", action="store_true", help="a 2-layer model: smoke test")
-    args = ap.parse_args()
-
-    device = torch.device(args.device)
-    shape = TINY if args.tiny else GPT2_SMALL
-    micro = args.micro or (4 if args.tiny or device.type == "cpu" else 16)
-    torch.manual_seed(0)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+def measure(strategy: str, args: argparse.Namespace, device: torch.device, shape: dict,
+            micro: int) -> dict:
+    """Time the training step of ``strategy`` (``ddp``: the plain module, as one process
+    trains; ``fsdp``: FSDP2 over a one-process mesh, built on meta, blocks compiled)."""
     mcfg = ModelConfig(n_layer=shape["n_layer"], n_head=shape["n_head"],
                        n_embd=shape["n_embd"], seq_len=shape["seq_len"])
     cfg = TrainConfig(max_steps=10_000, micro_batch_size=micro, grad_accum_steps=args.accum,
@@ -100,17 +89,22 @@ def main() -> None:
     compiled, how = resolve_compile(requested, device)
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=device)
     tokens_per_step = micro * args.accum * mcfg.seq_len
-
-    matmul_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision.name,
-                                                                       torch.float32)
-    ceiling = matmul_ceiling(device, matmul_dtype, 8192 if device.type == "cuda" else 1024)
-
-    model = Llama(mcfg, shape["vocab"]).to(device)
-    step_model = torch.compile(model) if compiled else model
+    torch.manual_seed(0)
+    if strategy == "fsdp":
+        ensure_process_group(env)
+        model = build_sharded(mcfg, shape["vocab"], env, precision.name == "bf16",
+                              compile_blocks=compiled)
+        step_model = model
+        how += " per block" if compiled else ""
+    else:
+        model = Llama(mcfg, shape["vocab"]).to(device)
+        step_model = torch.compile(model) if compiled else model
     optimizer = build_optimizer(model, cfg, device)
     for group in optimizer.param_groups:
         group["lr"] = 3e-4
     scaler = precision.grad_scaler()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     with tempfile.TemporaryDirectory() as tmp:
         shards = random_shards(Path(tmp), shape["vocab"],
                                tokens_per_step * (args.warmup + args.steps + 2))
@@ -129,21 +123,63 @@ def main() -> None:
             _sync(device)
             times.append(time.perf_counter() - t0)
             losses.append(loss)
-
     tok_s = tokens_per_step / statistics.median(times)
-    flops = model.flops_per_token() * tok_s
-    peak = peak_flops(device, precision.name)
+    return {"strategy": strategy, "precision": precision.name, "how": how,
+            "params": model.num_params(), "flops_per_token": model.flops_per_token(),
+            "tokens_per_step": tokens_per_step, "warmup_s": warmup_s, "tok_s": tok_s,
+            "losses": losses, "memory_mb": memory_mb(device), "seq_len": mcfg.seq_len}
+
+
+def report(r: dict, args: argparse.Namespace, device: torch.device, micro: int,
+           ceiling: float, matmul_dtype: torch.dtype) -> None:
+    flops = r["flops_per_token"] * r["tok_s"]
+    peak = peak_flops(device, r["precision"])
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device: {name}; {precision.name}; {how}; {model.num_params() / 1e6:.1f}M params; "
-          f"batch {micro}x{args.accum}x{mcfg.seq_len} = {tokens_per_step:,} tokens/step; "
-          f"warm-up {args.warmup} steps in {warmup_s:.1f} s")
-    print(f"tokens/s (median of {args.steps} steps): {tok_s:,.0f}; "
-          f"model {flops / 1e12:.2f} TFLOP/s ({model.flops_per_token() / 1e6:.1f} MFLOP/token)")
-    print(f"MFU vs spec peak: {flops / peak:.1%} of {peak / 1e12:.0f} TFLOP/s" if peak
-          else f"MFU vs spec peak: n/a (no known {precision.name} peak for {name})")
-    print(f"vs a {matmul_dtype} matmul measured here: {flops / ceiling:.1%} of "
-          f"{ceiling / 1e12:.2f} TFLOP/s")
-    print(f"peak memory {memory_mb(device):,.0f} MB; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    print(f"[{r['strategy']}] device: {name}; {r['precision']}; {r['how']}; "
+          f"{r['params'] / 1e6:.1f}M params; batch {micro}x{args.accum}x{r['seq_len']} = "
+          f"{r['tokens_per_step']:,} tokens/step; warm-up {args.warmup} steps in "
+          f"{r['warmup_s']:.1f} s")
+    print(f"[{r['strategy']}] tokens/s (median of {args.steps} steps): {r['tok_s']:,.0f}; "
+          f"model {flops / 1e12:.2f} TFLOP/s ({r['flops_per_token'] / 1e6:.1f} MFLOP/token)")
+    print(f"[{r['strategy']}] MFU vs spec peak: {flops / peak:.1%} of {peak / 1e12:.0f} TFLOP/s"
+          if peak else f"[{r['strategy']}] MFU vs spec peak: n/a (no known {r['precision']} "
+          f"peak for {name})")
+    print(f"[{r['strategy']}] vs a {matmul_dtype} matmul measured here: {flops / ceiling:.1%} "
+          f"of {ceiling / 1e12:.2f} TFLOP/s")
+    print(f"[{r['strategy']}] peak memory {r['memory_mb']:,.0f} MB; loss "
+          f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    ap.add_argument("--compile", default="auto", choices=["auto", "true", "false"])
+    ap.add_argument("--strategy", default="both", choices=["ddp", "fsdp", "both"],
+                    help="ddp: the plain module one process trains; fsdp: FSDP2")
+    ap.add_argument("--micro", type=int, default=None, help="windows per micro-batch")
+    ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=30, help="timed optimizer steps")
+    ap.add_argument("--warmup", type=int, default=8, help="untimed steps first (compiles)")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model: smoke test")
+    args = ap.parse_args()
+
+    device = torch.device(args.device)
+    shape = TINY if args.tiny else GPT2_SMALL
+    micro = args.micro or (4 if args.tiny or device.type == "cpu" else 16)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    precision = resolve_precision(args.precision, device)
+    matmul_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision.name,
+                                                                       torch.float32)
+    ceiling = matmul_ceiling(device, matmul_dtype, 8192 if device.type == "cuda" else 1024)
+    results = {}
+    for strategy in (("ddp", "fsdp") if args.strategy == "both" else (args.strategy,)):
+        results[strategy] = measure(strategy, args, device, shape, micro)
+        report(results[strategy], args, device, micro, ceiling, matmul_dtype)
+    if len(results) == 2:
+        print(f"fsdp / ddp tokens/s: {results['fsdp']['tok_s'] / results['ddp']['tok_s']:.3f}")
 
 
 if __name__ == "__main__":

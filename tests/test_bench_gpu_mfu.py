@@ -28,6 +28,11 @@ def test_cpu_smoke_run_reports_speed_and_ceiling():
     assert 0 < share < 100
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
     assert 5 < first < 7.5 and last < 7.5  # ln(512) = 6.24 at initialisation
+    # Both strategies, from the same initial weights (FSDP built on meta, shard by shard).
+    firsts = re.findall(r"\[(ddp|fsdp)\] peak memory .*; loss ([\d.]+) ->", out)
+    assert [name for name, _ in firsts] == ["ddp", "fsdp"]
+    assert firsts[0][1] == firsts[1][1]
+    assert float(re.search(r"fsdp / ddp tokens/s: ([\d.]+)", out)[1]) > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
