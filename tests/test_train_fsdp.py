@@ -271,3 +271,19 @@ def test_async_save_writes_the_state_of_its_step_and_commits_later(tmp_path):
     loaded = full_state(other)
     for name, value in saved.items():
         assert torch.equal(loaded[name], value), name
+
+
+@pytest.mark.parametrize(("section", "extra", "match"), [
+    ("train", {"probe_micro_batch": True}, "lmforge plan"),
+    ("sft", {}, "pretraining runs only"),
+    ("dpo", {}, "pretraining runs only"),
+])
+def test_fsdp_settings_it_cannot_honour_are_one_line_errors(tmp_path, section, extra, match):
+    from lmforge.config import load_params
+    from lmforge.errors import ConfigError
+
+    params = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
+    params[section].update(strategy="fsdp", **extra)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
+    with pytest.raises(ConfigError, match=match):
+        load_params(tmp_path / "params.yaml")

@@ -454,6 +454,10 @@ class TrainConfig:
         if self.strategy == "fsdp" and (self.lora is not None or _section(self) != "train"):
             raise ConfigError(f"{_section(self)}.strategy: fsdp trains pretraining runs only "
                               "so far (no fine-tuning, no LoRA); use ddp")
+        if self.strategy == "fsdp" and self.probe_micro_batch:
+            # Each rank probes alone; under FSDP every forward is a collective.
+            raise ConfigError("train.probe_micro_batch: not with strategy fsdp (every rank "
+                              "would probe alone); `lmforge plan` gives the micro-batch that fits")
 
     def warmup_steps(self) -> int:
         """Warmup in optimizer steps (``warmup`` may be given as a fraction of max_steps)."""
