@@ -1,0 +1,636 @@
+"""The data stages at scale: demo corpus x1 and x10, on the local pool vs Ray, same 2 CPUs.
+
+ingest -> filter -> dedup -> mix -> shards run in-process (the ``run_*`` functions the
+stages call, params.yaml's settings, ``num_workers`` 2), each (corpus, executor) in a
+fresh Python process: ``local`` = the process pool of 2, ``ray`` = ``ray.init(num_cpus=2)``
+started by that process (start-up and two warm-up tasks not counted), then one Ray task
+per part. ``--rounds`` runs of each, interleaved (local, ray, ray, local, ...): the best
+wall time and the largest memory figure are reported, as the cores are shared and noisy.
+
+The x10 corpus (built once under ``--work``) repeats every demo document as 10 copies
+with new ids: copy 0 as it was; of the others (seeded), 15 % exact copies, 70 % near
+copies (~1 % of the words, or CJK characters, replaced by others of the same text; a line
+dropped, swapped or inserted) and 15 % far copies (a quarter of the words replaced, 30 %
+of the lines dropped: below the LSH threshold, so dedup keeps them).
+
+Printed (and written with ``--out``): wall seconds per stage and ray/local throughput
+(local seconds / ray seconds; target >= 0.8 at x10); peak memory per worker at x1 vs x10
+(should stay flat): the kernel's VmHWM of the pool's children or of the ``ray::`` worker
+processes (reset per stage via /proc/PID/clear_refs), and the anonymous memory the
+stage's tasks added (RssAnon sampled every 0.05 s, less its value at the fork or the
+stage's start); the driver's own peak RSS per stage; input MB/s/core and docs/s/core per
+stage at x10 on the local pool; the pickled bytes of the tasks and results (what Ray's
+object store and RPCs carry); the mix driver's heap per document and its bucket files;
+whether every run's output tree is byte-identical to local's.
+
+    .venv/bin/python bench/bench_data_scale.py [--copies 10] [--rounds 2]
+        [--work /tmp/lmforge_scale] [--out scale.json] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import gzip
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import DEMO, REPO
+
+STAGES = ("ingest", "filter", "dedup", "mix", "shards")
+CORES = 2
+TOKENIZER = REPO / "models" / "tokenizer" / "tokenizer.model"
+KINDS = ("local", "ray")
+# Shares of the copies after the first: exact, near (the rest), far.
+EXACT, FAR = 0.15, 0.15
+_CJK = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
+_WORD = re.compile(r"\S+")
+
+
+# ------------------------------------------------------------------ the x10 corpus
+
+
+def _change_tokens(text: str, share: float, rng: random.Random) -> str:
+    """Replace ``share`` of the words (CJK characters for CJK text), at least one, by
+    other words (characters) of the same text."""
+    cjk = _CJK.findall(text)
+    spans = ([m.span() for m in _CJK.finditer(text)] if len(cjk) > 0.3 * len(text)
+             else [m.span() for m in _WORD.finditer(text)])
+    if len(spans) < 2:
+        return text + " ."
+    pool = [text[a:b] for a, b in spans]
+    pick = sorted(rng.sample(range(len(spans)), max(1, round(share * len(spans)))))
+    out, last = [], 0
+    for i in pick:
+        a, b = spans[i]
+        out += [text[last:a], rng.choice(pool)]
+        last = b
+    out.append(text[last:])
+    return "".join(out)
+
+
+def vary(text: str, kind: str, donor: str, rng: random.Random) -> str:
+    """A copy of ``text``: ``exact``, ``near`` (Jaccard well above the LSH threshold) or
+    ``far`` (well below it)."""
+    if kind == "exact":
+        return text
+    lines = text.split("\n")
+    if kind == "far":
+        if len(lines) >= 4:
+            drop = set(rng.sample(range(len(lines)), int(0.3 * len(lines))))
+            lines = [ln for i, ln in enumerate(lines) if i not in drop]
+        return _change_tokens("\n".join(lines), 0.25, rng)
+    if len(lines) >= 8:  # one line operation; short texts (verse) only get word changes
+        op, i = rng.randrange(3), rng.randrange(len(lines) - 1)
+        if op == 0:
+            del lines[i]
+        elif op == 1:
+            lines[i], lines[i + 1] = lines[i + 1], lines[i]
+        else:
+            donor_lines = [ln for ln in donor.split("\n") if ln.strip()] or ["."]
+            lines.insert(i, rng.choice(donor_lines))
+    return _change_tokens("\n".join(lines), 0.01, rng)
+
+
+def make_corpus(root: Path, copies: int, seed: int = 0) -> Path:
+    """The demo corpus x ``copies`` under ``root`` (kept, rebuilt only when missing):
+    ``<domain>/part-SSSS-KK.jsonl.gz`` is copy K of demo file S, so each file has the
+    size of a demo file and ingest keeps the sorted order (copy 0 first)."""
+    stamp = root / ".done"
+    if stamp.is_file() and stamp.read_text() == f"{copies} {seed}":
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    for src in sorted(DEMO.glob("*/*.jsonl.gz")):
+        with gzip.open(src, "rt", encoding="utf-8") as f:
+            recs = [json.loads(line) for line in f]
+        texts = [r["text"] for r in recs]
+        for k in range(copies):
+            out = root / src.parent.name / f"{src.name.split('.')[0]}-{k:02d}.jsonl.gz"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with gzip.open(out, "wt", encoding="utf-8", compresslevel=6) as f:
+                for j, rec in enumerate(recs):
+                    rec = dict(rec)
+                    if k:
+                        rng = random.Random(f"{seed}:{rec.get('id', j)}:{k}")
+                        r = rng.random()
+                        kind = "exact" if r < EXACT else "far" if r > 1 - FAR else "near"
+                        rec["text"] = vary(rec["text"], kind, texts[(j + k) % len(texts)], rng)
+                        rec["id"] = f"{rec.get('id', j)}~{k}"
+                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    stamp.write_text(f"{copies} {seed}")
+    return root
+
+
+# ------------------------------------------------------------------ one run (child)
+
+
+def _status_kib(pid: int | str, key: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_hwm(pid: int | str) -> None:
+    """Reset a process's VmHWM to its current RSS (Linux >= 4.0)."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (from every thread's /proc children list)."""
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    out += [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class Sampler(threading.Thread):
+    """Peak memory of the worker processes, sampled every ``interval`` s: the driver's
+    pool children (local), or its ``ray::`` descendants (Ray's workers; the process tree
+    is walked every ``rescan`` s, as they live long).
+
+    ``worker_peak_kib``: the kernel's VmHWM. A forked pool worker's counts the driver's
+    pages it shares from the fork; a Ray worker's, all it kept from earlier stages
+    (VmHWM is reset to the current RSS when a stage starts). ``worker_growth_kib``:
+    the largest sampled anonymous RSS (RssAnon: heap and buffers, no shared libraries)
+    less the worker's RssAnon when first seen in the stage (just after the fork, or at
+    the stage's start): what the stage's tasks themselves allocated."""
+
+    def __init__(self, ray: bool, interval: float = 0.05, rescan: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.ray, self.interval, self.rescan = ray, interval, rescan
+        self.lock = threading.Lock()
+        self.hwm: dict[int, int] = {}
+        self.anon: dict[int, int] = {}
+        self.first: dict[int, int] = {}
+        self.kind: dict[int, bool] = {}  # pid -> is a worker
+        self.pids: list[int] = []
+        self.scanned = 0.0
+
+    def workers(self) -> list[int]:
+        if self.ray and time.monotonic() - self.scanned < self.rescan:
+            return self.pids
+        found, todo = [], _children(os.getpid())
+        while todo:
+            pid = todo.pop()
+            if pid not in self.kind:
+                cmd = _cmdline(pid)
+                self.kind[pid] = ((cmd.startswith("ray::") and "Agent" not in cmd) if self.ray
+                                  else "resource_tracker" not in cmd)
+            if self.kind[pid]:
+                found.append(pid)
+            if self.ray:
+                todo += _children(pid)
+        self.pids, self.scanned = found, time.monotonic()
+        return found
+
+    def sample(self) -> None:
+        for pid in self.workers():
+            try:
+                hwm, anon = _status_kib(pid, "VmHWM:"), _status_kib(pid, "RssAnon:")
+            except OSError:
+                continue
+            with self.lock:
+                self.first.setdefault(pid, anon)
+                self.hwm[pid] = max(self.hwm.get(pid, 0), hwm)
+                self.anon[pid] = max(self.anon.get(pid, 0), anon)
+
+    def begin(self) -> None:
+        self.scanned = 0.0
+        for pid in self.workers():
+            _reset_hwm(pid)
+        with self.lock:
+            self.hwm, self.anon, self.first = {}, {}, {}
+        self.sample()
+
+    def end(self) -> dict[str, int]:
+        """Largest worker VmHWM and anonymous growth in KiB, and workers seen, since
+        :meth:`begin`."""
+        self.sample()
+        with self.lock:
+            return {"worker_peak_kib": max(self.hwm.values(), default=0),
+                    "worker_growth_kib": max((a - self.first[p] for p, a in self.anon.items()),
+                                             default=0),
+                    "workers_seen": len(self.hwm)}
+
+    def run(self) -> None:
+        while True:
+            self.sample()
+            time.sleep(self.interval)
+
+
+METER = {"tasks": 0, "task_bytes": 0, "result_bytes": 0}
+
+
+def _meter_executor() -> None:
+    """Count the pickled bytes of every task sent and result returned (both executors
+    pay the same small cost): what Ray moves through its object store and RPCs."""
+    from lmforge.executor import Executor
+
+    plain = Executor.map
+
+    def metered(self, fn, tasks, desc=None, log=None):
+        tasks = list(tasks)
+        METER["tasks"] += len(tasks)
+        METER["task_bytes"] += sum(len(pickle.dumps(t, protocol=5)) for t in tasks)
+        for result in plain(self, fn, tasks, desc, log):
+            METER["result_bytes"] += len(pickle.dumps(result, protocol=5))
+            yield result
+
+    Executor.map = metered
+
+
+def run_child(kind: str, corpus: Path, root: Path, out: Path) -> None:
+    """Run the five stages on ``corpus`` into ``root``/data with ``kind``; figures to ``out``."""
+    from lmforge.config import ExecutorConfig, SourceConfig, load_params
+    from lmforge.data.dedup import run_dedup
+    from lmforge.data.filtering import run_filter
+    from lmforge.data.ingest import run_ingest
+    from lmforge.data.mix import run_mix
+    from lmforge.executor import LocalExecutor, RayExecutor
+    from lmforge.shards.build import build_shards
+
+    os.chdir(root)  # relative data/ paths, as the stages use (Ray tasks run here too)
+    params = load_params(REPO / "params.yaml")
+    params.ingest.sources = [SourceConfig(path=str(corpus / s.domain / "*.jsonl.gz"),
+                                          domain=s.domain) for s in params.ingest.sources]
+    for section in ("ingest", "filter", "dedup", "mix", "shards"):
+        getattr(params, section).num_workers = CORES
+    figures: dict[str, Any] = {"kind": kind, "stages": {}}
+    t0 = time.perf_counter()
+    if kind == "ray":
+        import ray
+
+        ray.init(num_cpus=CORES, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+
+        @ray.remote(num_cpus=1)
+        def warm() -> int:
+            return os.getpid()
+
+        ray.get([warm.remote() for _ in range(2 * CORES)])  # the workers exist
+        executor = RayExecutor(ExecutorConfig(kind="ray"))
+    else:
+        executor = LocalExecutor(CORES)
+    figures["startup_s"] = round(time.perf_counter() - t0, 2)
+    _meter_executor()
+    sampler = Sampler(kind == "ray")
+    sampler.start()
+    steps = {
+        "ingest": lambda: run_ingest(params.ingest, "data/ingested", executor),
+        "filter": lambda: run_filter(params.filter, "data/ingested", "data/filtered", {},
+                                     executor),
+        "dedup": lambda: run_dedup(params.dedup, "data/filtered", "data/deduped", executor),
+        "mix": lambda: run_mix(params.mix, "data/deduped", "data/mixed", executor),
+        "shards": lambda: build_shards("data/mixed", TOKENIZER, "data/shards", params.shards,
+                                       executor=executor),
+    }
+    for stage in STAGES:
+        METER.update(tasks=0, task_bytes=0, result_bytes=0)
+        sampler.begin()
+        _reset_hwm("self")
+        start = time.perf_counter()
+        metrics = steps[stage]()
+        wall = time.perf_counter() - start
+        figures["stages"][stage] = {
+            "wall_s": round(wall, 3), **sampler.end(),
+            "driver_peak_kib": _status_kib("self", "VmHWM:"), **METER,
+            "metrics": {k: metrics[k] for k in ("total", "exact_dups", "near_dups", "clusters")
+                        if k in metrics}}
+    if kind == "ray":
+        import ray
+
+        ray.shutdown()
+    out.write_text(json.dumps(figures, indent=1))
+
+
+# ------------------------------------------------------------------ the parent
+
+OUTPUTS = ("ingested", "filtered", "deduped", "mixed", "shards")  # each stage's output dir
+
+
+def text_size(path: Path, stage: str) -> tuple[int, int, int]:
+    """(documents, UTF-8 bytes of text, text bytes of the largest file) a stage reads
+    from ``path``: a task's input is one file (ingest), a part, or a row range of one."""
+    docs = size = largest = 0
+    if stage == "ingest":
+        for f in sorted(path.glob("*/*.jsonl.gz")):
+            one = 0
+            with gzip.open(f, "rt", encoding="utf-8") as fh:
+                for line in fh:
+                    docs += 1
+                    one += len(json.loads(line)["text"].encode())
+            size, largest = size + one, max(largest, one)
+        return docs, size, largest
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    # A stage's parts (not filter's rejects/); mixed/ has them under train/ and val/.
+    for f in sorted(path.glob("part-*.parquet")) or sorted(path.glob("*/part-*.parquet")):
+        col = pq.read_table(f, columns=["text"]).column("text")
+        one = pc.sum(pc.binary_length(col)).as_py() or 0
+        docs, size, largest = docs + len(col), size + one, max(largest, one)
+    return docs, size, largest
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def compare_trees(a: Path, b: Path) -> list[str]:
+    """The files that differ between two output trees (or exist in one only)."""
+    fa = {str(p.relative_to(a)) for p in a.rglob("*") if p.is_file()}
+    fb = {str(p.relative_to(b)) for p in b.rglob("*") if p.is_file()}
+    return sorted(fa ^ fb) + sorted(p for p in fa & fb
+                                    if not filecmp.cmp(a / p, b / p, shallow=False))
+
+
+def mix_driver(deduped: Path) -> dict[str, Any]:
+    """The mix driver's memory per document (Python and numpy heap, traced: the
+    measured sizes of every part, ids and clusters included, and the plan), and how
+    many bucket files its scatter writes."""
+    import tracemalloc
+
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from lmforge.config import load_params
+    from lmforge.data.mix import measure_part, plan_mix
+    from lmforge.data.records import list_parts
+
+    cfg = load_params(REPO / "params.yaml").mix
+    parts = list_parts(deduped)
+    plan_mix(cfg, deduped, [measure_part((str(p), cfg.unit)) for p in parts])  # imports
+    tracemalloc.start()
+    sizes = [measure_part((str(p), cfg.unit)) for p in parts]
+    plan = plan_mix(cfg, deduped, sizes)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    offsets = np.cumsum([0] + [len(s.ids) for s in sizes])
+    buckets = out_parts = 0
+    for pl in plan.placements.values():
+        out_parts += int(pl.part.max()) + 1 if len(pl.part) else 0
+        for k in range(len(parts)):
+            sel = (pl.doc >= offsets[k]) & (pl.doc < offsets[k + 1])
+            buckets += len(np.unique(pl.part[sel]))
+    rows = pq.read_metadata(deduped / "clusters.parquet").num_rows
+    return {"docs": int(offsets[-1]), "cluster_rows": rows, "peak_bytes": peak,
+            "bytes_per_doc": round(peak / max(int(offsets[-1]), 1)),
+            "in_parts": len(parts), "out_parts": out_parts, "bucket_files": buckets}
+
+
+def driver_rates(ingested: Path, out: Path) -> dict[str, float]:
+    """What the serial driver steps do on one core, on their own: ingest's loop (every
+    row of every file read back, ids checked against those seen, written into parts; best
+    of 2) over ``ingested``, and dedup's exact grouping + union-find on 4 M synthetic
+    documents (the recipe of the dedup module's docstring)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from lmforge.data import dedup
+    from lmforge.data.ingest import _drop_duplicate_ids
+    from lmforge.data.records import PartWriter, iter_batches
+
+    files = sorted(ingested.glob("part-*.parquet"))
+    best = float("inf")
+    for _ in range(2):
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        seen: set[str] = set()
+        t = time.perf_counter()
+        parts = PartWriter(out, 500)
+        for f in files:
+            for batch in iter_batches(f):
+                parts.add(_drop_duplicate_ids(pa.Table.from_batches([batch]), seen)[0])
+        parts.close()
+        best = min(best, time.perf_counter() - t)
+    shutil.rmtree(out, ignore_errors=True)
+    n = 4_000_000
+    rng = np.random.default_rng(0)
+    keys = rng.integers(0, 2**63, (n, 2), dtype=np.uint64)
+    keys[1::5] = keys[::5][: len(keys[1::5])]
+    edges = rng.integers(0, n, (n // 10, 2))
+    t = time.perf_counter()
+    parent = dedup.exact_groups(keys)
+    dedup.union(parent, edges[:, 0], edges[:, 1])
+    dedup.compress(parent)
+    return {"ingest_driver_s": round(best, 3), "ingest_driver_docs": len(seen),
+            "dedup_driver_ns_per_doc": round((time.perf_counter() - t) / n * 1e9, 1)}
+
+
+def load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--copies", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="runs of each (corpus, executor), interleaved local-ray-ray-local...; "
+                         "the best wall time and the largest memory are reported")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/lmforge_scale"))
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--keep", action="store_true", help="keep the runs' output trees")
+    ap.add_argument("--child", nargs=4, metavar=("KIND", "CORPUS", "ROOT", "OUT"),
+                    help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        kind, corpus, root, out = args.child
+        run_child(kind, Path(corpus), Path(root), Path(out))
+        return
+
+    work, n = args.work.resolve(), args.copies
+    started, load_start = time.perf_counter(), load()
+    t = time.perf_counter()
+    corpora = {1: DEMO, n: make_corpus(work / f"corpus_x{n}", n)}
+    print(f"corpus x{n}: {work / f'corpus_x{n}'} ({time.perf_counter() - t:.0f} s)", flush=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("LMFORGE_EXECUTOR", None)
+    env.pop("RAY_ADDRESS", None)  # the run starts its own 2-CPU Ray
+    runs: dict[int, dict[str, list]] = {s: {k: [] for k in KINDS} for s in (1, n)}
+    for scale in (1, n):
+        for r in range(args.rounds):
+            for kind in KINDS if r % 2 == 0 else KINDS[::-1]:
+                root = work / f"x{scale}" / kind / f"r{r}"
+                shutil.rmtree(root, ignore_errors=True)
+                root.mkdir(parents=True)
+                t = time.perf_counter()
+                with open(root / "log.txt", "w") as log:
+                    subprocess.run([sys.executable, __file__, "--child", kind,
+                                    str(corpora[scale]), str(root), str(root / "figures.json")],
+                                   env=env, stdout=log, stderr=log, check=True)
+                runs[scale][kind].append(json.loads((root / "figures.json").read_text()))
+                walls = " ".join(f"{s} {runs[scale][kind][-1]['stages'][s]['wall_s']:.1f}"
+                                 for s in STAGES)
+                print(f"x{scale} {kind} round {r}: {time.perf_counter() - t:.0f} s ({walls}); "
+                      f"load {load()}", flush=True)
+
+    ref = {s: work / f"x{s}" / "local" / "r0" / "data" for s in (1, n)}
+    inputs = {s: {st: text_size(corpora[s] if st == "ingest" else ref[s] / src, st)
+                  for st, src in zip(STAGES, ("", *OUTPUTS[:-1]), strict=True)} for s in (1, n)}
+    differ = {s: {f"{k}/r{r}": compare_trees(ref[s], work / f"x{s}" / k / f"r{r}" / "data")
+                  for k in KINDS for r in range(args.rounds) if (k, r) != ("local", 0)}
+              for s in (1, n)}
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    clusters = pq.read_table(ref[n] / "deduped" / "clusters.parquet", columns=["id", "domain"])
+    report = {
+        "copies": n, "cores": CORES, "rounds": args.rounds, "load_start": load_start,
+        "load_end": load(), "runs": runs,
+        "inputs": {s: dict(v) for s, v in inputs.items()},
+        "outputs_bytes": {s: {st: tree_bytes(ref[s] / o) for st, o in zip(STAGES, OUTPUTS,
+                                                                           strict=True)}
+                          for s in (1, n)},
+        "files": {s: sum(1 for p in ref[s].rglob("*") if p.is_file()) for s in (1, n)},
+        "differ": differ,
+        "mix_driver": {s: mix_driver(ref[s] / "deduped") for s in (1, n)},
+        "driver_rates": driver_rates(ref[n] / "ingested", work / "driver_probe"),
+        "dedup_id_domain_bytes_per_doc": round(
+            sum(pc.sum(pc.binary_length(clusters.column(c))).as_py() + 4 * len(clusters)
+                for c in ("id", "domain")) / len(clusters), 1),
+    }
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    print_report(report, n)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    if not args.keep:
+        for scale in (1, n):
+            shutil.rmtree(work / f"x{scale}", ignore_errors=True)
+
+
+def print_report(r: dict[str, Any], n: int) -> None:
+    runs, inputs = r["runs"], r["inputs"]
+
+    def best(scale: int, kind: str, stage: str | None = None) -> float:
+        """Best (smallest) wall seconds of a stage, or of the sum of all stages, over rounds."""
+        rounds = runs[scale][kind]
+        if stage:
+            return min(f["stages"][stage]["wall_s"] for f in rounds)
+        return min(sum(s["wall_s"] for s in f["stages"].values()) for f in rounds)
+
+    def peak(scale: int, kind: str, stage: str, key: str) -> float:
+        return max(f["stages"][stage][key] for f in runs[scale][kind]) / 1024
+
+    startup = max(f["startup_s"] for f in runs[n]["ray"])
+    print(f"\nwall seconds, {CORES} CPUs, best of {r['rounds']} interleaved rounds (load average "
+          f"{r['load_start']} -> {r['load_end']}; Ray start-up up to {startup} s, not counted)")
+    print(f"{'stage':8s} {'x1 local':>9s} {'x1 ray':>8s} {'ray/local':>9s} "
+          f"{f'x{n} local':>9s} {f'x{n} ray':>8s} {'ray/local':>9s}")
+    for stage in (*STAGES, None):
+        a, b = best(1, "local", stage), best(1, "ray", stage)
+        c, d = best(n, "local", stage), best(n, "ray", stage)
+        print(f"{stage or 'overall':8s} {a:9.1f} {b:8.1f} {a / b:9.2f} {c:9.1f} {d:8.1f} "
+              f"{c / d:9.2f}")
+    print(f"ray/local: local seconds / ray seconds, i.e. Ray's throughput against the pool's "
+          f"(target >= 0.8 at x{n}). Overall per round:")
+    for scale in (1, n):
+        for kind in KINDS:
+            walls = [sum(s["wall_s"] for s in f["stages"].values()) for f in runs[scale][kind]]
+            print(f"  x{scale} {kind}: " + " ".join(f"{w:.1f}" for w in walls))
+
+    print(f"\npeak memory per worker, MiB (largest over the stage's workers and the rounds), "
+          f"x1 -> x{n}")
+    print(f"{'stage':8s} {'VmHWM':>7s} {'local':>5s} {'':>5s} {'ratio':>5s} {'ray':>5s} "
+          f"{'':>5s} {'ratio':>5s} | {'grow':>4s} {'local':>5s} {'':>5s} {'ratio':>5s} "
+          f"{'ray':>5s} {'':>5s} {'ratio':>5s} | {'largest input MB':>16s}")
+    for stage in STAGES:
+        cells = []
+        for key in ("worker_peak_kib", "worker_growth_kib"):
+            for kind in KINDS:
+                a, b = peak(1, kind, stage, key), peak(n, kind, stage, key)
+                cells.append(f"{a:5.0f} {b:5.0f} {b / a:5.2f}")
+        big = inputs[1][stage][2] / 1e6, inputs[n][stage][2] / 1e6
+        print(f"{stage:8s} {'':7s} {cells[0]} {cells[1]} | {'':4s} {cells[2]} {cells[3]} | "
+              f"{big[0]:7.1f} {big[1]:8.1f}")
+    print("(VmHWM: the kernel's peak RSS; grow: peak RssAnon less that at the fork / stage start."
+          " A task's memory follows the largest file or part it is given, not the corpus)")
+    print(f"\ndriver's own peak RSS, MiB (VmHWM reset at each stage's start), x1 -> x{n}")
+    print(f"{'stage':8s} {'local x1':>9s} {f'x{n}':>6s} {'ray x1':>7s} {f'x{n}':>6s}")
+    for stage in STAGES:
+        print(f"{stage:8s} {peak(1, 'local', stage, 'driver_peak_kib'):9.0f} "
+              f"{peak(n, 'local', stage, 'driver_peak_kib'):6.0f} "
+              f"{peak(1, 'ray', stage, 'driver_peak_kib'):7.0f} "
+              f"{peak(n, 'ray', stage, 'driver_peak_kib'):6.0f}")
+
+    print(f"\nper-core throughput at x{n}, local pool of {CORES} (input text of each stage; "
+          "best round), and what crosses the executor (pickled tasks + results)")
+    print(f"{'stage':8s} {'docs in':>8s} {'MB in':>7s} {'MB/s/core':>9s} {'docs/s/core':>11s} "
+          f"{'MB out':>7s} {'tasks':>5s} {'task KB':>8s} {'result KB':>9s} {'B/doc':>6s}")
+    for stage in STAGES:
+        docs, size, _ = inputs[n][stage]
+        st = runs[n]["local"][0]["stages"][stage]
+        sec = best(n, "local", stage) * CORES
+        moved = st["task_bytes"] + st["result_bytes"]
+        print(f"{stage:8s} {docs:8d} {size / 1e6:7.1f} {size / 1e6 / sec:9.3f} "
+              f"{docs / sec:11.1f} {r['outputs_bytes'][n][stage] / 1e6:7.1f} {st['tasks']:5d} "
+              f"{st['task_bytes'] / 1e3:8.1f} {st['result_bytes'] / 1e3:9.1f} "
+              f"{moved / max(docs, 1):6.1f}")
+    d1 = runs[1]["local"][0]["stages"]["dedup"]["metrics"]
+    dn = runs[n]["local"][0]["stages"]["dedup"]["metrics"]
+    removed = dn["total"]["in"] - dn["total"]["kept"]
+    print(f"\ndedup x{n}: {dn['total']['in']} in, {dn['total']['kept']} kept: removed {removed} "
+          f"({removed / dn['total']['in']:.1%}): {dn['exact_dups']} exact + {dn['near_dups']} "
+          f"near duplicates (x1: {d1['total']['in']} in, {d1['exact_dups']} exact + "
+          f"{d1['near_dups']} near)")
+    m1, m = r["mix_driver"][1], r["mix_driver"][n]
+    # peak = a x docs + b x cluster rows (clusters.parquet: one row per document dedup read)
+    b = ((m["peak_bytes"] / m["docs"] - m1["peak_bytes"] / m1["docs"])
+         / (m["cluster_rows"] / m["docs"] - m1["cluster_rows"] / m1["docs"]))
+    a = m["peak_bytes"] / m["docs"] - b * m["cluster_rows"] / m["docs"]
+    print(f"mix driver heap (traced peak): x1 {m1['bytes_per_doc']} B/doc ({m1['docs']} docs, "
+          f"{m1['cluster_rows']} cluster rows), x{n} {m['bytes_per_doc']} B/doc ({m['docs']} "
+          f"docs, {m['cluster_rows']} rows): ~{a:.0f} B/doc + {b:.0f} B/cluster row")
+    for s, mm in ((1, m1), (n, m)):
+        print(f"mix scatter x{s}: {mm['bucket_files']} bucket files ({mm['in_parts']} parts in, "
+              f"{mm['out_parts']} out)")
+    dr = r["driver_rates"]
+    mb = inputs[n]["ingest"][1] / 1e6
+    print(f"ingest driver alone (one core): {mb / dr['ingest_driver_s']:.0f} MB/s of text, "
+          f"{dr['ingest_driver_docs'] / dr['ingest_driver_s']:.0f} docs/s (every row passes "
+          f"through it), i.e. {mb / dr['ingest_driver_s'] / (mb / best(n, 'local', 'ingest') / CORES):.1f} "
+          "cores of ingest workers")
+    print(f"dedup driver: ids + domains {r['dedup_id_domain_bytes_per_doc']} B/doc (Arrow), on "
+          f"top of the module docstring's figures; exact grouping + union-find "
+          f"{dr['dedup_driver_ns_per_doc']:.0f} ns/doc")
+    for scale in (1, n):
+        bad = {k: v for k, v in r["differ"][scale].items() if v}
+        runs_compared = ", ".join(r["differ"][scale])
+        print(f"x{scale} outputs ({r['files'][scale]} files, "
+              f"{sum(r['outputs_bytes'][scale].values()) / 1e6:.1f} MB) vs local/r0: "
+              + (f"byte-identical ({runs_compared})" if not bad else f"DIFFER: {bad}"))
+    print(f"bench: {r['seconds']:.0f} s in all")
+
+
+if __name__ == "__main__":
+    main()
