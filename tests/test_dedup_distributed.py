@@ -4,19 +4,20 @@ a rerun after an interrupt that skips the finished tasks, and Ray writing local 
 
 from __future__ import annotations
 
+import gzip
+import json
 import random
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from datasketch import LeanMinHash, MinHashLSH
+from test_data_dedup import write_parts
 
 from lmforge.config import DedupConfig, ExecutorConfig
 from lmforge.data import dedup, minhash
 from lmforge.data.dedup import cluster_roots, lsh_threshold, run_dedup
-from lmforge.data.records import SCHEMA
 from lmforge.executor import LocalExecutor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,17 +72,6 @@ def reference_clusters(texts: list[str], ids: list[str], cfg: DedupConfig) -> di
 
 
 # --- corpora ----------------------------------------------------------------------------
-
-
-def write_parts(directory: Path, docs: list[tuple[str, str, str]], per_part: int) -> None:
-    directory.mkdir(parents=True)
-    for k in range(0, len(docs), per_part):
-        chunk = docs[k : k + per_part]
-        n = len(chunk)
-        pq.write_table(pa.table({"id": [d[0] for d in chunk], "text": [d[1] for d in chunk],
-                                 "domain": [d[2] for d in chunk], "source": ["s"] * n,
-                                 "file": ["f"] * n, "line": list(range(n))}, schema=SCHEMA),
-                       directory / f"part-{k // per_part:05d}.parquet")
 
 
 def _mutate(words: list[str], k: int, rng: random.Random) -> list[str]:
@@ -172,24 +162,20 @@ def test_chunks_shards_and_forests_change_no_byte(corpus, local_out, tmp_path, m
     assert tree(tmp_path / "out") == tree(local_out[0])
 
 
-def test_demo_slice_equals_the_old_algorithm(tmp_path):
-    """Two parts of the demo's filtered corpus (its near duplicates are there), plus an
-    exact copy of one of them under other ids."""
-    src = REPO / "data" / "filtered"
-    if not (src / "part-00005.parquet").is_file():
-        pytest.skip("data/filtered is not built (make demo)")
-    (tmp_path / "in").mkdir()
-    tables = [pq.read_table(src / "part-00003.parquet"), pq.read_table(src / "part-00005.parquet")]
-    copy = tables[1].slice(0, 150)
-    tables.append(copy.set_column(0, "id", pa.array([f"copy-{i}" for i in range(len(copy))])))
-    for k, t in enumerate(tables):
-        pq.write_table(t, tmp_path / "in" / f"part-{k:05d}.parquet")
+def test_demo_corpus_equals_the_old_algorithm(tmp_path):
+    """The demo corpus as shipped (its near duplicates are there) in parts of 400, plus an
+    exact copy of 150 of its documents under other ids."""
+    docs = []
+    for src in sorted((REPO / "data" / "raw" / "demo").glob("*/*.jsonl.gz")):
+        with gzip.open(src, "rt", encoding="utf-8") as f:
+            docs += [(r["id"], r["text"], src.parent.name) for r in map(json.loads, f)]
+    docs += [(f"copy-{i}", text, domain) for i, (_, text, domain) in enumerate(docs[500:650])]
+    write_parts(tmp_path / "in", docs, per_part=400)
     cfg = DedupConfig(num_workers=2)
     metrics = run_dedup(cfg, tmp_path / "in", tmp_path / "out")
-    t = pa.concat_tables(tables)
-    expected = reference_clusters(t.column("text").to_pylist(), t.column("id").to_pylist(), cfg)
+    expected = reference_clusters([d[1] for d in docs], [d[0] for d in docs], cfg)
     assert clusters_of(tmp_path / "out") == expected
-    assert metrics["near_dups"] > 0 and metrics["exact_dups"] >= 140
+    assert metrics["near_dups"] > 0 and metrics["exact_dups"] >= 150
 
 
 # --- buckets are exact -----------------------------------------------------------------

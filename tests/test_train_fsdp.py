@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,37 +16,12 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from test_train_loop import stage_repo
+from test_train_loop import stage_repo, start_ranks
+from test_train_loop import wait_ranks as wait
 
 REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
-
-
-def start_ranks(root: Path, argv: list[str], mlflow_db: Path) -> list[subprocess.Popen]:
-    """Start ``python argv`` as two gloo ranks, as torchrun would."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, PYTHONPATH=str(REPO), DVC_ROOT=str(root), RANK=str(rank),
-                   LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   MLFLOW_TRACKING_URI=f"sqlite:///{mlflow_db}")
-        procs.append(subprocess.Popen([sys.executable, *argv], cwd=root, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    return procs
-
-
-def wait(procs: list[subprocess.Popen]) -> list[str]:
-    outs = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, out
-        outs.append(out)
-    return outs
 
 
 def fsdp_repo(root: Path, strategy: str, **train: object) -> Path:

@@ -445,9 +445,9 @@ def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path):
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
-def run_two_ranks(root: Path, module: str, mlflow_db: Path) -> list[str]:
-    """Start ``module`` as two gloo ranks, as torchrun would (its launcher would only add
-    start-up time); wait for both and return their output."""
+def start_ranks(root: Path, argv: list[str], mlflow_db: Path) -> list[subprocess.Popen]:
+    """Start ``python argv`` as two gloo ranks, as torchrun would (its launcher would
+    only add start-up time)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -457,15 +457,25 @@ def run_two_ranks(root: Path, module: str, mlflow_db: Path) -> list[str]:
                    LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    MLFLOW_TRACKING_URI=f"sqlite:///{mlflow_db}")
-        procs.append(subprocess.Popen([sys.executable, "-m", module], cwd=root, env=env,
+        procs.append(subprocess.Popen([sys.executable, *argv], cwd=root, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
+    return procs
+
+
+def wait_ranks(procs: list[subprocess.Popen]) -> list[str]:
+    """Wait for every rank; each must succeed. Their output, by rank."""
     outs = []
     for proc in procs:
-        out, _ = proc.communicate(timeout=180)
+        out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, out
         outs.append(out)
     return outs
+
+
+def run_two_ranks(root: Path, module: str, mlflow_db: Path) -> list[str]:
+    """Run ``python -m module`` as two gloo ranks; return their output."""
+    return wait_ranks(start_ranks(root, ["-m", module], mlflow_db))
 
 
 @pytest.mark.slow
