@@ -247,17 +247,17 @@ def test_async_save_writes_the_state_of_its_step_and_commits_later(tmp_path):
         assert torch.equal(loaded[name], value), name
 
 
-@pytest.mark.parametrize(("section", "extra", "match"), [
-    ("train", {"probe_micro_batch": True}, "lmforge plan"),
-    ("sft", {}, "pretraining runs only"),
-    ("dpo", {}, "pretraining runs only"),
-])
-def test_fsdp_settings_it_cannot_honour_are_one_line_errors(tmp_path, section, extra, match):
+@pytest.mark.parametrize("section", ["train", "sft", "dpo"])
+def test_fsdp_settings_it_cannot_honour_are_one_line_errors(tmp_path, section):
     from lmforge.config import load_params
     from lmforge.errors import ConfigError
 
     params = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
-    params[section].update(strategy="fsdp", **extra)
+    params[section].update(strategy="fsdp", probe_micro_batch=True)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ConfigError, match=f"{section}.probe_micro_batch: .*lmforge plan"):
         load_params(tmp_path / "params.yaml")
+    # Fine-tuning with adapters is sharded too (tests/test_train_fsdp_finetune.py).
+    params[section].update(probe_micro_batch=False, lora={"rank": 4, "targets": ["attn"]})
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
+    assert getattr(load_params(tmp_path / "params.yaml"), section).strategy == "fsdp"

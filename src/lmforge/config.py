@@ -451,13 +451,11 @@ class TrainConfig:
             )
         if self.grad_clip < 0 or self.label_smoothing >= 1:
             raise ConfigError("train.grad_clip must be >= 0 and train.label_smoothing < 1")
-        if self.strategy == "fsdp" and (self.lora is not None or _section(self) != "train"):
-            raise ConfigError(f"{_section(self)}.strategy: fsdp trains pretraining runs only "
-                              "so far (no fine-tuning, no LoRA); use ddp")
         if self.strategy == "fsdp" and self.probe_micro_batch:
             # Each rank probes alone; under FSDP every forward is a collective.
-            raise ConfigError("train.probe_micro_batch: not with strategy fsdp (every rank "
-                              "would probe alone); `lmforge plan` gives the micro-batch that fits")
+            raise ConfigError(f"{_section(self)}.probe_micro_batch: not with strategy fsdp "
+                              "(every rank would probe alone); `lmforge plan` gives the "
+                              "micro-batch that fits")
 
     def warmup_steps(self) -> int:
         """Warmup in optimizer steps (``warmup`` may be given as a fraction of max_steps)."""

@@ -4,7 +4,8 @@ The policy starts from the SFT model and the reference is that same model, froze
 reference's summed response log-probability of a pair is computed once, the first time
 a batch holds the pair, and cached in the run's state (checkpointed with it); a step
 whose pairs are cached runs the policy alone (``lmforge.train.preference``). Checkpoints, exact resume,
-precision, DDP, the non-finite guard, LoRA and MLflow are the loop's, as for sft.
+precision, DDP or FSDP, the non-finite guard, LoRA and MLflow are the loop's, as for
+sft; under FSDP the reference is sharded like the policy (``make_objective``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from lmforge.model.lora import adamw_state_bytes
 from lmforge.model.saved import extend_context, load_checkpoint_model, load_model
 from lmforge.shards.format import file_sha256
 from lmforge.train import distributed
+from lmforge.train.fsdp import ensure_process_group, shard_model
 from lmforge.train.loop import TrainData, TrainResult, open_shard_data, train
 from lmforge.train.pipeline import failing_run_on_error, history_tsv, relaunched
+from lmforge.train.precision import resolve_precision
 from lmforge.train.preference import DpoObjective
 from lmforge.train.sft import base_config, save_tuned
 from lmforge.train.warm_start import ensure_outside
@@ -80,11 +83,19 @@ def load_reference(init_from: str, device: Any) -> Any:
 
 def make_objective(params: Params, run_params: Params, data: TrainData, env: Any
                    ) -> DpoObjective:
-    """The DPO objective, its reference the (frozen) model the policy starts from."""
-    reference = load_reference(params.dpo.init_from, env.device)
-    return DpoObjective(params.dpo.beta, extend_context(reference, run_params.model.seq_len),
-                        len(data.train.doc_ends), len(data.val.doc_ends),
-                        params.dpo.nll_weight)
+    """The DPO objective, its reference the (frozen) model the policy starts from.
+
+    With ``dpo.strategy: fsdp`` the reference is sharded like the policy: each rank then
+    holds 1/world of both, and their forwards run on every rank together.
+    """
+    reference = extend_context(load_reference(params.dpo.init_from, env.device),
+                               run_params.model.seq_len)
+    if params.dpo.strategy == "fsdp":
+        ensure_process_group(env)
+        shard_model(reference, env, resolve_precision(params.dpo.precision, env.device).name
+                    == "bf16")
+    return DpoObjective(params.dpo.beta, reference, len(data.train.doc_ends),
+                        len(data.val.doc_ends), params.dpo.nll_weight)
 
 
 def run_dpo_stage(params: Params, paths: DpoPaths, module: str = "stages.dpo") -> None:

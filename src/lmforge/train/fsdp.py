@@ -35,6 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lmforge.config import ModelConfig
 from lmforge.model.llama import Llama, init_parameter, rope_tables
+from lmforge.model.lora import apply_lora, lora_modules, lora_settings
 from lmforge.train.distributed import DistEnv
 
 
@@ -115,13 +116,18 @@ def unsharded_copy(model: Llama, env: DistEnv) -> Llama | None:
     """A plain (unsharded) copy of ``model`` on rank 0, None elsewhere; a collective.
 
     What the loop hands on after FSDP training: evaluation, samples and export then
-    work on an ordinary module, as after DDP.
+    work on an ordinary module, as after DDP. A model with LoRA adapters gets the same
+    adapters (merged or saved by the caller, as after DDP).
     """
     state = full_state(model)
     if not env.is_main:
         return None
-    plain = Llama(model.config, model.vocab_size)
-    for attr in ("label_smoothing", "z_loss", "fused_loss"):
+    with torch.random.fork_rng(devices=[]):  # building the copy leaves the run's RNG as is
+        plain = Llama(model.config, model.vocab_size)
+        if lora_modules(model):  # the same adapters, so the state's keys and trainability match
+            s = lora_settings(model)
+            apply_lora(plain, s["rank"], s["alpha"], s["dropout"], s["targets"])
+    for attr in ("label_smoothing", "z_loss", "fused_loss", "activation_checkpointing"):
         setattr(plain, attr, getattr(model, attr))
     plain.load_state_dict(state)
     return plain.to(env.device)

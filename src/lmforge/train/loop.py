@@ -151,7 +151,7 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     precision = resolve_precision(cfg.precision, device)
     bf16, compile_blocks = precision.name == "bf16", resolve_compile(cfg.compile, device)[0]
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    if cfg.strategy == "fsdp" and not cfg.init_from:
+    if cfg.strategy == "fsdp" and not cfg.init_from and cfg.lora is None:
         ensure_process_group(env)  # FSDP and DCP need one, even in a single process
         model = build_sharded(mcfg, vocab, env, bf16, compile_blocks)
     else:
@@ -165,7 +165,8 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     if cfg.lora is not None:
         lora = cfg.lora
         apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets)
-    if cfg.strategy == "fsdp" and not is_sharded(model):  # warm-started: whole, then shard
+    # Warm-started or with adapters: built whole, then sharded (adapters wrap plain layers).
+    if cfg.strategy == "fsdp" and not is_sharded(model):
         ensure_process_group(env)
         shard_model(model, env, bf16, compile_blocks)
     # After sharding: an optimizer built before would hold the unsharded parameters.

@@ -31,6 +31,7 @@ from lmforge.config import Params
 from lmforge.model.llama import Llama
 from lmforge.model.loss import IGNORE_INDEX
 from lmforge.train.distributed import DistEnv
+from lmforge.train.fsdp import is_sharded
 from lmforge.train.precision import Precision
 
 
@@ -122,6 +123,8 @@ class DpoObjective:
         self.beta = beta
         self.nll_weight = nll_weight
         self.reference = reference
+        # FSDP: a sharded reference (and policy) runs forwards in step on every rank.
+        self.lockstep = is_sharded(reference)
         # Summed response log-prob per document under the reference; NaN = not yet scored.
         self.cache = {"train": torch.full((train_docs,), float("nan"), dtype=torch.float64),
                       "val": torch.full((val_docs,), float("nan"), dtype=torch.float64)}
@@ -165,7 +168,14 @@ class DpoObjective:
         """
         cache = self.cache[split]
         scored = targets != IGNORE_INDEX
-        missing = torch.isnan(cache[docs[scored].cpu()]).any() if scored.any() else False
+        missing = bool(torch.isnan(cache[docs[scored].cpu()]).any()) if scored.any() else False
+        if logits is None and self.lockstep:
+            # A sharded reference's forward is a collective: when any rank scores, all do.
+            if not _on_any_rank(missing, inputs.device):
+                return cache
+            if not missing:  # one row through the reference, thrown away
+                self.reference(inputs[:1], positions=positions[:1])
+                return cache
         if not missing:
             return cache
         rows = torch.tensor([bool(torch.isnan(cache[docs[r][scored[r]].cpu()]).any())
@@ -209,17 +219,23 @@ class DpoObjective:
         response token, over ``eval_batches`` batches of val rows (all with 0)."""
         model.eval()
         sums = torch.zeros(len(self.stats) + 3, dtype=torch.float64, device=env.device)
-        batches = data.eval_batches(data.val, params.model.seq_len,
-                                    params.train.micro_batch_size,
-                                    max_batches=params.train.eval_batches, return_doc_info=True)
-        for i, batch in enumerate(batches):
-            if i % env.world_size != env.rank:  # ranks split the batches, then sum
-                continue
+        batches = list(data.eval_batches(data.val, params.model.seq_len,
+                                         params.train.micro_batch_size,
+                                         max_batches=params.train.eval_batches,
+                                         return_doc_info=True))
+        mine = batches[env.rank::env.world_size]  # ranks split the batches, then sum
+        # Sharded forwards are collectives: a rank short of a batch runs one uncounted.
+        lockstep = self.lockstep or is_sharded(model)
+        rounds = -(-len(batches) // env.world_size) if lockstep and batches else len(mine)
+        for k in range(rounds):
+            batch = mine[k] if k < len(mine) else batches[0]
             inputs, targets = batch["input"].to(env.device), batch["target"].to(env.device)
             positions, docs = batch["positions"].to(env.device), batch["doc"].to(env.device)
             with precision.autocast():
                 logits = model(inputs, positions=positions)
                 ref_logits = self.reference(inputs, positions=positions)
+            if k >= len(mine):
+                continue
             ref = self._reference("val", inputs, targets, positions, docs, ref_logits)
             losses, stats = self.pair_figures(logits, targets, docs, ref)
             kl, tokens = kl_per_token(logits, ref_logits, targets)
@@ -236,6 +252,17 @@ class DpoObjective:
                 "val_pref_accuracy": totals[self.stats.index("pref_accuracy")] / n,
                 "val_reward_margin": totals[self.stats.index("reward_margin")] / n,
                 "val_kl_per_token": totals[-2] / (totals[-1] or float("nan"))}
+
+
+def _on_any_rank(flag: bool, device: torch.device) -> bool:
+    """True when ``flag`` is true on any rank (a collective; just ``flag`` alone)."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def kl_per_token(logits: torch.Tensor, ref_logits: torch.Tensor, targets: torch.Tensor
