@@ -95,3 +95,53 @@ def test_prune_refuses_when_the_current_run_cannot_be_told(repo, tmp_path, capsy
     with pytest.raises(SystemExit):  # a bare --keep keeps nothing: refused by the parser
         main(["checkpoints", "prune", "--keep"])
     assert len(list(ck.iterdir())) == 2
+
+
+def fake_sharded_run(root, fp: str, steps: tuple[int, ...]) -> dict[str, int]:
+    """A run directory as an FSDP run leaves it: per step a small .pt and a .dcp/ of
+    shards. Its files' sizes, by kind."""
+    d = root / runs.run_id(fp)
+    runs.start_run_dir(root, fp, None, 10)
+    runs.update_run(d, status="finished", last_step=steps[-1])
+    sizes = {"pt": 0, "dcp": 0}
+    for step in steps:
+        (d / f"step-{step:06d}.pt").write_bytes(b"p" * 100)
+        shards = d / f"step-{step:06d}.dcp"
+        shards.mkdir()
+        for name, n in ((".metadata", 300), ("__0_0.distcp", 2000), ("__1_0.distcp", 2000)):
+            (shards / name).write_bytes(b"s" * n)
+            sizes["dcp"] += n
+        sizes["pt"] += 100
+    sizes["all"] = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+    return sizes
+
+
+def test_a_sharded_checkpoints_size_counts_its_dcp_directory(tmp_path, capsys):
+    ck = tmp_path / "checkpoints"
+    sizes = fake_sharded_run(ck, "a" * 64, (4, 8))
+    (listed,) = runs.list_runs(ck)
+    assert listed.size_bytes == sizes["all"] >= sizes["pt"] + sizes["dcp"] == 8800
+    main(["checkpoints", "--dir", str(ck), "--params", str(REPO / "params.yaml")])
+    out = capsys.readouterr().out.splitlines()
+    line = next(line for line in out if line.startswith("a" * 16))
+    # The .pt files, the shards and run.json; not the 200 B of the .pt files alone.
+    assert f" {sizes['all'] / 1024:.1f} KB " in line, line
+    assert out[-1].startswith("size: all of a run's files (each step-*.pt with its "
+                              "step-*.dcp/ shards"), out[-1]
+
+
+def test_prune_removes_a_sharded_run_with_its_dcp_directories(tmp_path, capsys):
+    ck = tmp_path / "checkpoints"
+    fake_sharded_run(ck, "a" * 64, (8,))
+    gone = fake_sharded_run(ck, "b" * 64, (4, 8))
+    main(["checkpoints", "prune", "--dir", str(ck), "--keep", "aaaa", "--dry-run"])
+    out = capsys.readouterr().out
+    assert f"would remove {'b' * 16} (step 8, finished, " in out
+    assert ".dcp shards included)" in out
+    assert out.rstrip().endswith(f"would free {gone['all'] / 1024:.1f} KB"), out
+    assert len(list(ck.iterdir())) == 2
+    main(["checkpoints", "prune", "--dir", str(ck), "--keep", "aaaa"])
+    assert f"freed {gone['all'] / 1024:.1f} KB" in capsys.readouterr().out
+    assert [d.name for d in ck.iterdir()] == ["a" * 16]  # the .pt files and .dcp/ alike
+    assert sorted(f.name for f in (ck / ("a" * 16)).iterdir() if f.name.startswith("step-")
+                  ) == ["step-000008.dcp", "step-000008.pt"]

@@ -163,6 +163,11 @@ def runs_table(runs: list[RunInfo], now: dict[str, dict[str, Any]]) -> str:
             diff = f"[{stage}] {diff}"
         lines.append(f"{r.id:<18} {steps:>13}  {r.status:<12} {_size(r.size_bytes):>9}  "
                      f"{format_duration(r.age_seconds) + ' ago':>9}  {diff}")
+    # An FSDP checkpoint's weights are in its step-*.dcp/ directory, not in the small .pt:
+    # say that the sizes count them, so the column reads as what pruning a run frees.
+    lines.append(f"size: all of a run's files (each step-*.pt with its step-*.dcp/ shards, "
+                 f"light/ snapshots), what pruning it frees; "
+                 f"{_size(sum(r.size_bytes for r in runs))} in all")
     return "\n".join(lines)
 
 
@@ -194,11 +199,20 @@ def cmd_prune(args: argparse.Namespace) -> None:
             raise InputError(f"checkpoints prune --keep {wanted}: matches "
                              f"{len(match)} runs under {args.dir}; give more of the id")
         keep.update(match)
+    sharded = {r.id for r in runs if _has_shards(r)}  # looked at before they go
     removed = prune_runs(args.dir, keep, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for r in removed:
-        print(f"{verb} {r.id} (step {r.last_step}, {r.status}, {_size(r.size_bytes)})")
-    print(f"checkpoints: {verb} {len(removed)} run(s), kept {len(runs) - len(removed)}")
+        shards = ", .dcp shards included" if r.id in sharded else ""
+        print(f"{verb} {r.id} (step {r.last_step}, {r.status}, {_size(r.size_bytes)}{shards})")
+    print(f"checkpoints: {verb} {len(removed)} run(s), kept {len(runs) - len(removed)}; "
+          f"{'would free' if args.dry_run else 'freed'} "
+          f"{_size(sum(r.size_bytes for r in removed))}")
+
+
+def _has_shards(run: RunInfo) -> bool:
+    """Whether the run holds FSDP checkpoints (``step-*.dcp/`` beside their ``.pt``)."""
+    return any(p.is_dir() for p in run.path.glob("step-*.dcp"))
 
 
 def _location_args(suppress: bool) -> argparse.ArgumentParser:

@@ -5,14 +5,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import math
 import os
+import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -238,7 +241,8 @@ def _train_run(params: Params, data: TrainData, objective: Any, model: Llama,
     state = _load_resume_state(checkpoint_dir, fp, env, log)
     progress = _Progress()
     if state is not None:
-        progress = _restore(state, model, optimizer, scaler, loader, env, objective)
+        progress = _restore(state, model, optimizer, scaler, loader, env, objective,
+                            cfg.seed)
         log(f"train: resuming from {state['path']} at step {progress.step}/{cfg.max_steps}")
         del state
     elif start_note:
@@ -444,8 +448,11 @@ class _Progress:
 
 def _restore(state: dict[str, Any], model: Llama, optimizer: torch.optim.Optimizer,
              scaler: torch.amp.GradScaler, loader: Any, env: DistEnv,
-             objective: Any = None) -> _Progress:
-    """Load a checkpoint into the live objects; return the run's progress."""
+             objective: Any = None, seed: int = 0) -> _Progress:
+    """Load a checkpoint into the live objects; return the run's progress.
+
+    ``seed``: the run's ``train.seed``, from which a rank the checkpoint did not have
+    draws its RNG stream (see ``_rank_state``)."""
     if state.get("sharded"):  # FSDP: every rank reads its shards from the DCP directory
         load_sharded(Path(state["path"]).parent / state["sharded"], model, optimizer)
     else:
@@ -453,20 +460,52 @@ def _restore(state: dict[str, Any], model: Llama, optimizer: torch.optim.Optimiz
         optimizer.load_state_dict(state["optimizer"])
     if state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
-    saved = state["ranks"]
-    mine = saved[env.rank] if len(saved) == env.world_size else {
-        # Another world size (FSDP): every rank's loader holds the same position, counted
-        # in windows over all ranks; each rank keeps a saved RNG stream.
-        "loader": saved[0]["loader"], "rng": saved[env.rank % len(saved)]["rng"]}
+    p = state["progress"]
+    mine = _rank_state(state["ranks"], env.rank, env.world_size, seed, p["step"])
     loader.load_state_dict(mine["loader"])
     if mine.get("objective") is not None and objective is not None:
         objective.load_state_dict(mine["objective"])
-    ckpt.restore_rng(mine["rng"], env.device)
-    p = state["progress"]
+    _apply_rng(mine["rng"], env.device)
     return _Progress(p["step"], p["tokens_seen"], p["skipped"],
                      {row["step"]: row for row in p["history"]}, p["run_id"],
                      Path(state["path"]).name, p["wall_seconds"], p["loss_sum"], p["loss_n"],
                      p.get("stats", {}))
+
+
+def _rank_state(saved: list[dict[str, Any]], rank: int, world_size: int, seed: int,
+                step: int) -> dict[str, Any]:
+    """What rank ``rank`` of ``world_size`` restores from a checkpoint's per-rank states.
+
+    The same world size: its own. Another (FSDP resharding): the loader position, which
+    counts windows over all ranks, is the same on every rank; a rank the checkpoint had
+    keeps its RNG stream, and a new one gets a fresh stream of its own, ``{"seed": n}``
+    with ``n`` from the run's seed, the rank and the step: reusing a saved stream
+    (``saved[rank % len(saved)]``) would give ranks 0 and 1 of a 1 -> 2 resume the same
+    dropout masks. Deterministic, so resuming the same checkpoint twice agrees.
+    """
+    if len(saved) == world_size:
+        return saved[rank]
+    rng = (saved[rank]["rng"] if rank < len(saved)
+           else {"seed": _fresh_rng_seed(seed, rank, step)})
+    return {"loader": saved[0]["loader"], "rng": rng}
+
+
+def _fresh_rng_seed(seed: int, rank: int, step: int) -> int:
+    """A 63-bit seed for ``(seed, rank, step)``; hashed, so it is none of the
+    ``seed + rank`` seeds a fresh run starts its ranks with."""
+    digest = hashlib.sha256(f"lmforge-rank-rng/{seed}/{rank}/{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _apply_rng(rng: dict[str, Any], device: torch.device) -> None:
+    """Restore a saved RNG state, or seed every generator from a fresh ``{"seed": n}``."""
+    if "seed" not in rng:
+        ckpt.restore_rng(rng, device)
+        return
+    n = int(rng["seed"])
+    random.seed(n)
+    np.random.seed(n % 2**32)
+    torch.manual_seed(n)  # the CPU and every CUDA generator
 
 
 def _final_metrics(rows: list[dict], val: float, step: int, tokens: int, skipped: int,
