@@ -201,6 +201,43 @@ def test_meta_build_in_one_process_is_the_eager_model_bit_for_bit():
             assert torch.equal(full[name], value), (tie, name)
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_warm_start_with_adapters_reads_slices_into_the_eager_model_bit_for_bit(tmp_path, tie):
+    """init_from a model directory + LoRA under fsdp (meta build, rows read from the
+    file) gives the eager path's model: the same weights, adapters, and RNG after."""
+    from lmforge.config import LoraConfig, ModelConfig, Params, TrainConfig
+    from lmforge.model.llama import Llama
+    from lmforge.model.lora import lora_modules
+    from lmforge.model.saved import save_model
+    from lmforge.train.distributed import DistEnv
+    from lmforge.train.fsdp import ensure_process_group, full_state, is_sharded
+    from lmforge.train.loop import build_model
+
+    env = DistEnv(0, 1, 0, torch.device("cpu"))
+    ensure_process_group(env)
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, seq_len=32, tie_embeddings=tie)
+    torch.manual_seed(9)
+    save_model(Llama(cfg, 300), tmp_path / "base")
+    targets = ["attn", "mlp"] if tie else ["wq", "w2", "lm_head"]
+    built = {}
+    for strategy in ("ddp", "fsdp"):
+        train = TrainConfig(strategy=strategy, init_from=str(tmp_path / "base"),
+                            lora=LoraConfig(rank=4, alpha=8.0, targets=targets))
+        torch.manual_seed(5)
+        model, note = build_model(Params(model=cfg, train=train), 300, env, False, False, "")
+        assert note.startswith(f"train: weights from {tmp_path / 'base'}")
+        assert is_sharded(model) == (strategy == "fsdp")
+        state = full_state(model) if strategy == "fsdp" else model.state_dict()
+        built[strategy] = (state, len(lora_modules(model)), torch.rand(4))
+    (eager, n_eager, rng_eager), (sharded, n_sharded, rng_sharded) = built["ddp"], built["fsdp"]
+    assert n_eager == n_sharded > 0
+    assert torch.equal(rng_eager, rng_sharded)  # the generator moved on alike
+    assert eager.keys() == sharded.keys()
+    for name, value in eager.items():
+        assert torch.equal(sharded[name], value), name
+    assert any(name.endswith("lora_a") and value.abs().sum() > 0 for name, value in eager.items())
+
+
 def test_async_save_writes_the_state_of_its_step_and_commits_later(tmp_path):
     from lmforge.config import ModelConfig, TrainConfig
     from lmforge.train.distributed import DistEnv

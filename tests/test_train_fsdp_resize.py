@@ -66,7 +66,7 @@ def test_a_one_process_fsdp_run_resumes_on_two_ranks(single, tmp_path):
     kill_after_checkpoint(root, [one_process(root, tmp_path / "mlflow.db")], 4)
     set_train(root, nproc=2, micro_batch_size=4)
     outs = wait_ranks(start_ranks(root, ["-m", "stages.train"], tmp_path / "mlflow.db"))
-    assert "saved by 1 processes, this run has 2" in outs[0], outs[0]
+    assert "saved by 1 process, this run has 2" in outs[0], outs[0]
     assert "resuming from" in outs[0] and "x2 (fsdp)" in outs[0], outs[0]
     metrics = json.loads((root / "metrics" / "train.json").read_text())
     assert metrics["steps"] == 10 and metrics["world_size"] == 2
@@ -167,5 +167,23 @@ def test_the_same_or_fewer_ranks_take_their_saved_states():
              for r in range(2)]
     assert [_rank_state(saved, r, 2, seed=0, step=4) for r in range(2)] == saved
     # 2 -> 1: rank 0's loader position (the same on every rank) and its stream.
-    assert _rank_state(saved, 0, 1, seed=0, step=4) == {"loader": saved[0]["loader"],
-                                                        "rng": saved[0]["rng"]}
+    assert _rank_state(saved, 0, 1, seed=0, step=4) == {
+        "loader": saved[0]["loader"], "rng": saved[0]["rng"],
+        "objective_parts": [{"k": 0}, {"k": 1}]}
+
+
+def test_dpo_reference_caches_of_every_saved_rank_merge_on_another_world_size():
+    """2 -> 1: the one rank gets both ranks' scored pairs, none recomputed or lost."""
+    from lmforge.train.preference import DpoObjective
+
+    nan = float("nan")
+    a = {"train": torch.tensor([1.0, nan, nan, 4.0], dtype=torch.float64),
+         "val": torch.tensor([nan, nan], dtype=torch.float64)}
+    b = {"train": torch.tensor([nan, 2.0, nan, 4.5], dtype=torch.float64),
+         "val": torch.tensor([nan, 7.0], dtype=torch.float64)}
+    merged = DpoObjective.merge_state_dicts([a, b])
+    assert torch.equal(merged["train"].nan_to_num(-1), torch.tensor([1.0, 2.0, -1, 4.0],
+                                                                    dtype=torch.float64))
+    assert torch.equal(merged["val"].nan_to_num(-1), torch.tensor([-1, 7.0],
+                                                                  dtype=torch.float64))
+    assert torch.isnan(a["train"][1])  # the saved states are left as they were

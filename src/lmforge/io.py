@@ -61,6 +61,23 @@ def write_json(path: str | os.PathLike, obj: Any, durable: bool = False) -> None
                        encoding="utf-8")
 
 
+def read_json_object(path: str | os.PathLike, missing: str = "not found") -> dict[str, Any]:
+    """A JSON object from ``path``; a missing, malformed or non-object file is one
+    ``InputError`` line naming it (``missing`` says what its absence means)."""
+    from lmforge.errors import InputError
+
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{path}: {missing}") from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a JSON object")
+    return data
+
+
 def write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` atomically."""
     with atomic_path(path) as tmp:

@@ -36,7 +36,7 @@ from lmforge.export.hf_config import from_hf_config, to_hf_config
 from lmforge.export.hf_names import our_name, to_hf_state
 from lmforge.export.hf_tokenizer import TOKENIZER_MODEL, read_proto, write_hf_tokenizer
 from lmforge.finetune.template import CHAT_TEMPLATE, END_MARKER, marker_ids
-from lmforge.io import atomic_dir, write_json
+from lmforge.io import atomic_dir, read_json_object, write_json
 from lmforge.model.llama import Llama
 from lmforge.model.saved import CONFIG, WEIGHTS, load_model, model_state, save_model
 from lmforge.tokenizer import Tokenizer
@@ -117,7 +117,7 @@ def import_hf(in_dir: str | Path, out_dir: str | Path, seq_len: int | None = Non
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     _check_writable(out_dir, in_dir, force)
     cfg_path = in_dir / CONFIG
-    hf = _read_json(cfg_path)
+    hf = read_json_object(cfg_path)
     cfg, vocab_size = from_hf_config(hf, str(cfg_path), seq_len)
     state = _our_state(_read_hf_weights(in_dir), cfg.tie_embeddings, in_dir)
     with torch.device("meta"):
@@ -147,7 +147,7 @@ def _read_hf_weights(in_dir: Path) -> dict[str, torch.Tensor]:
     """All tensors of ``model.safetensors`` or of the shards its index lists."""
     index = in_dir / HF_INDEX
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise InputError(f"{index}: no 'weight_map'")
         files = sorted(set(weight_map.values()))
@@ -242,18 +242,6 @@ def _write_marker(directory: Path, command: str, source: Path) -> None:
     write_json(directory / MARKER, {
         "tool": "lmforge", "version": __version__, "command": command, "source": str(source),
         "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError(f"{path}: not found") from None
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{path}: expected a JSON object")
-    return data
 
 
 def _sha256(path: Path) -> str:

@@ -30,7 +30,6 @@ target (:data:`WEIGHT_READ_TARGETS`) instead of silently ignored.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -43,7 +42,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lmforge.errors import ConfigError, InputError
-from lmforge.io import atomic_dir, write_json
+from lmforge.io import atomic_dir, read_json_object, write_json
 
 ATTN_TARGETS = ("wq", "wk", "wv", "wo")
 MLP_TARGETS = ("w1", "w2", "w3")
@@ -257,13 +256,8 @@ def save_adapter(model: nn.Module, path: str | os.PathLike,
 def read_adapter_config(path: str | os.PathLike) -> dict[str, Any]:
     """``path``/adapter.json, checked."""
     cfg_path = Path(path) / ADAPTER_CONFIG
-    try:
-        meta = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError(f"{cfg_path}: no adapter config (not a save_adapter directory)") from None
-    except json.JSONDecodeError as e:
-        raise InputError(f"{cfg_path}: invalid JSON at line {e.lineno}: {e.msg}") from None
-    if not isinstance(meta, dict) or meta.get("format") != ADAPTER_FORMAT:
+    meta = read_json_object(cfg_path, "no adapter config (not a save_adapter directory)")
+    if meta.get("format") != ADAPTER_FORMAT:
         raise InputError(f"{cfg_path}: not an {ADAPTER_FORMAT} adapter")
     try:
         validate_lora(meta["rank"], meta["alpha"], meta["dropout"], meta["targets"],

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 from pathlib import Path
@@ -14,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from lmforge.config import ModelConfig, from_dict
 from lmforge.errors import ConfigError, InputError
-from lmforge.io import atomic_dir, atomic_path, write_json
+from lmforge.io import atomic_dir, atomic_path, read_json_object, write_json
 from lmforge.model.llama import Llama
 
 WEIGHTS = "model.safetensors"
@@ -64,18 +63,7 @@ def load_model(directory: str | os.PathLike, device: str | torch.device = "cpu"
     if directory.is_file():
         return load_checkpoint_model(directory, device)
     cfg_path, weights_path = directory / CONFIG, directory / WEIGHTS
-    try:
-        config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError(f"{cfg_path}: no model config (run the train stage)") from None
-    except json.JSONDecodeError as e:
-        raise InputError(f"{cfg_path}: invalid JSON at line {e.lineno}: {e.msg}") from None
-    try:
-        model_cfg = from_dict(ModelConfig, config["model"], "model.")
-        model_cfg.validate()
-        vocab_size = int(config["vocab_size"])
-    except (KeyError, TypeError, ValueError, ConfigError) as e:
-        raise InputError(f"{cfg_path}: bad model config ({e})") from None
+    model_cfg, vocab_size, config = read_config(directory)
     with torch.device("meta"):
         model = Llama(model_cfg, vocab_size)
     try:
@@ -96,6 +84,19 @@ def load_model(directory: str | os.PathLike, device: str | torch.device = "cpu"
     # The RoPE tables are non-persistent buffers, still on the meta device: rebuild them.
     model.rope_cos, model.rope_sin = _rope_buffers(model_cfg)
     return model.to(device).eval(), config
+
+
+def read_config(directory: str | os.PathLike) -> tuple[ModelConfig, int, dict[str, Any]]:
+    """A model directory's ``config.json``, checked: (model config, vocab size, the dict)."""
+    cfg_path = Path(directory) / CONFIG
+    config = read_json_object(cfg_path, "no model config (run the train stage)")
+    try:
+        model_cfg = from_dict(ModelConfig, config["model"], "model.")
+        model_cfg.validate()
+        vocab_size = int(config["vocab_size"])
+    except (KeyError, TypeError, ValueError, ConfigError) as e:
+        raise InputError(f"{cfg_path}: bad model config ({e})") from None
+    return model_cfg, vocab_size, config
 
 
 def load_checkpoint_model(path: str | os.PathLike, device: str | torch.device = "cpu"

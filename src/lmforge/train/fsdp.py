@@ -15,7 +15,9 @@ world size; the model's full weights are gathered only for export.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -33,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from lmforge.config import ModelConfig
+from lmforge.config import LoraConfig, ModelConfig
 from lmforge.model.llama import Llama, init_parameter, rope_tables
 from lmforge.model.lora import apply_lora, lora_modules, lora_settings
 from lmforge.train.distributed import DistEnv
@@ -62,16 +66,20 @@ def shard_model(model: Llama, env: DistEnv, bf16: bool, compile_blocks: bool = F
 
 
 def build_sharded(cfg: ModelConfig, vocab_size: int, env: DistEnv, bf16: bool,
-                  compile_blocks: bool = False) -> Llama:
-    """The model as ``Llama(cfg, vocab_size)`` would make it under the current seed, but
-    built on the meta device, sharded, and initialised shard by shard: no rank ever holds
-    more than one whole parameter (the embedding, at most).
+                  compile_blocks: bool = False, weights: Path | None = None,
+                  lora: LoraConfig | None = None) -> Llama:
+    """The model as the eager path makes it under the current seed (``Llama(cfg,
+    vocab_size)``, then ``weights`` copied in, then ``lora`` adapters applied), but built
+    on the meta device, sharded, and filled shard by shard: no rank ever holds more than
+    one whole parameter (the embedding, at most).
 
     Bit-identical to the eager model: first every layer's own constructor-time init is
     replayed on a throwaway copy, one layer at a time (its random draws put the generator
     where ``Llama.reset_parameters`` starts), then each parameter's full value is drawn
     as ``reset_parameters`` draws it and this rank keeps its dim-0 chunk, as FSDP2
-    shards it (``torch.chunk``).
+    shards it (``torch.chunk``). With ``weights`` (a safetensors file) the draws are
+    still made, so the adapters' draws that follow are the eager path's, but the chunk
+    kept is read from the file: only this rank's rows are read.
     """
     with torch.device("meta"):
         model = Llama(cfg, vocab_size)
@@ -80,20 +88,47 @@ def build_sharded(cfg: ModelConfig, vocab_size: int, env: DistEnv, bf16: bool,
         if module is not model and own and hasattr(module, "reset_parameters"):
             scratch = copy.deepcopy(module).to_empty(device="cpu")
             scratch.reset_parameters()
+    if lora is not None:  # on meta: its draws are made below, in the eager order
+        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets)
+    adapters = lora_modules(model)
     shard_model(model, env, bf16, compile_blocks)
     model.to_empty(device=env.device)
-    for name, p in model.named_parameters():
-        full = torch.empty(p.shape)
-        init_parameter(name, full, cfg.n_layer)
-        local = p.to_local() if hasattr(p, "to_local") else p
-        if local.numel():
-            rows = -(-full.shape[0] // env.world_size)  # torch.chunk's size; the last is short
-            with torch.no_grad():
-                local.copy_(full[env.rank * rows : env.rank * rows + local.shape[0]])
+    with contextlib.ExitStack() as stack:
+        source = (stack.enter_context(safe_open(str(weights), framework="pt"))
+                  if weights is not None else None)
+        for name, p in model.named_parameters():
+            if name.endswith((".lora_a", ".lora_b")):
+                continue
+            plain = name.replace(".base.", ".")  # a wrapped layer's weight: its file name
+            full = torch.empty(p.shape)
+            init_parameter(plain, full, cfg.n_layer)
+            if source is None:
+                _fill_chunk(p, env, lambda lo, hi, full=full: full[lo:hi])
+            else:
+                _fill_chunk(p, env, lambda lo, hi, key=plain: source.get_slice(key)[lo:hi])
+    for layer in adapters.values():  # as LoRALinear.__init__ draws them, in apply order
+        a = torch.empty(layer.lora_a.shape)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        _fill_chunk(layer.lora_a, env, lambda lo, hi, a=a: a[lo:hi])
+        _fill_chunk(layer.lora_b, env, lambda lo, hi, b=layer.lora_b: torch.zeros(
+            hi - lo, *b.shape[1:]))
     # Buffers are derived from the config: compute them where the model now lives.
     cos, sin = rope_tables(cfg.seq_len, cfg.n_embd // cfg.n_head, cfg.rope_base)
     model.rope_cos, model.rope_sin = cos.to(env.device), sin.to(env.device)
     return model
+
+
+def _fill_chunk(p: torch.Tensor, env: DistEnv,
+                rows_of: Callable[[int, int], torch.Tensor]) -> None:
+    """Copy rows ``[lo, hi)`` of a parameter's full value, this rank's dim-0 chunk as
+    FSDP2 shards it (``torch.chunk``: equal chunks, the last short), into ``p``."""
+    local = p.to_local() if hasattr(p, "to_local") else p
+    if not local.numel():
+        return
+    rows = -(-p.shape[0] // env.world_size)
+    lo = env.rank * rows
+    with torch.no_grad():
+        local.copy_(rows_of(lo, lo + local.shape[0]))
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -28,7 +28,7 @@ from lmforge.model.generate import generate
 from lmforge.model.llama import Llama
 from lmforge.model.lora import apply_lora, trainable_parameters
 from lmforge.model.loss import IGNORE_INDEX
-from lmforge.model.saved import save_weights
+from lmforge.model.saved import WEIGHTS, save_weights
 from lmforge.shards.loader import mixture_mean
 from lmforge.train import checkpoint as ckpt
 from lmforge.train import runs
@@ -49,7 +49,12 @@ from lmforge.train.probe import probe_micro_batch
 from lmforge.train.replay import ReplayLoader
 from lmforge.train.schedule import lr_at
 from lmforge.train.telemetry import NullRun, format_duration, memory_mb, open_run, peak_flops
-from lmforge.train.warm_start import ensure_outside, warm_start, weights_sha256
+from lmforge.train.warm_start import (
+    check_model_dir,
+    ensure_outside,
+    warm_start,
+    weights_sha256,
+)
 
 
 @dataclass
@@ -154,24 +159,7 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     precision = resolve_precision(cfg.precision, device)
     bf16, compile_blocks = precision.name == "bf16", resolve_compile(cfg.compile, device)[0]
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    if cfg.strategy == "fsdp" and not cfg.init_from and cfg.lora is None:
-        ensure_process_group(env)  # FSDP and DCP need one, even in a single process
-        model = build_sharded(mcfg, vocab, env, bf16, compile_blocks)
-    else:
-        model = Llama(mcfg, vocab).to(device)
-    model.label_smoothing, model.z_loss = cfg.label_smoothing, cfg.z_loss
-    model.fused_loss = cfg.fused_loss
-    model.activation_checkpointing = cfg.activation_checkpointing
-    # Starting weights before adapters wrap the layers (a resumed run overwrites both).
-    start_note = (warm_start(model, cfg.init_from, tokenizer_sha256) if cfg.init_from
-                  else None)
-    if cfg.lora is not None:
-        lora = cfg.lora
-        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets)
-    # Warm-started or with adapters: built whole, then sharded (adapters wrap plain layers).
-    if cfg.strategy == "fsdp" and not is_sharded(model):
-        ensure_process_group(env)
-        shard_model(model, env, bf16, compile_blocks)
+    model, start_note = build_model(params, vocab, env, bf16, compile_blocks, tokenizer_sha256)
     # After sharding: an optimizer built before would hold the unsharded parameters.
     optimizer = build_optimizer(model, cfg, device)
     scaler = precision.grad_scaler()
@@ -198,6 +186,40 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
         return _train_run(params, data, objective, model, optimizer, precision, scaler,
                           loader, micro_batch, accum, run_dir, fp, start_note, env, track,
                           prompts, decode, log, stage)
+
+
+def build_model(params: Params, vocab: int, env: DistEnv, bf16: bool, compile_blocks: bool,
+                tokenizer_sha256: str) -> tuple[Llama, str | None]:
+    """The model a run starts from: initialised (or ``init_from``'s weights), with LoRA
+    adapters if asked, sharded under FSDP; and the warm start's log line, if any.
+
+    Under FSDP the model is built on the meta device and filled shard by shard, reading
+    only this rank's rows of ``init_from`` when it is a model directory; from a
+    ``step-*.pt`` it is loaded whole on each rank first, then sharded.
+    """
+    cfg, mcfg = params.train, params.model
+    source = Path(cfg.init_from) if cfg.init_from else None
+    if cfg.strategy == "fsdp" and (source is None or source.is_dir()):
+        ensure_process_group(env)  # FSDP and DCP need one, even in a single process
+        note = (check_model_dir(mcfg, vocab, source, tokenizer_sha256) if source is not None
+                else None)
+        model = build_sharded(mcfg, vocab, env, bf16, compile_blocks,
+                              weights=source / WEIGHTS if source is not None else None,
+                              lora=cfg.lora)
+    else:
+        model = Llama(mcfg, vocab).to(env.device)
+        # Starting weights before adapters wrap the layers (a resumed run overwrites both).
+        note = warm_start(model, source, tokenizer_sha256) if source is not None else None
+        if cfg.lora is not None:
+            lora = cfg.lora
+            apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets)
+        if cfg.strategy == "fsdp":  # from a checkpoint file: whole, then sharded
+            ensure_process_group(env)
+            shard_model(model, env, bf16, compile_blocks)
+    model.label_smoothing, model.z_loss = cfg.label_smoothing, cfg.z_loss
+    model.fused_loss = cfg.fused_loss
+    model.activation_checkpointing = cfg.activation_checkpointing
+    return model, note
 
 
 def open_loader(data: TrainData, seq_len: int, batch_size: int, seed: int, env: DistEnv,
@@ -465,6 +487,8 @@ def _restore(state: dict[str, Any], model: Llama, optimizer: torch.optim.Optimiz
     loader.load_state_dict(mine["loader"])
     if mine.get("objective") is not None and objective is not None:
         objective.load_state_dict(mine["objective"])
+    elif mine.get("objective_parts") and hasattr(objective, "merge_state_dicts"):
+        objective.load_state_dict(objective.merge_state_dicts(mine["objective_parts"]))
     _apply_rng(mine["rng"], env.device)
     return _Progress(p["step"], p["tokens_seen"], p["skipped"],
                      {row["step"]: row for row in p["history"]}, p["run_id"],
@@ -487,7 +511,10 @@ def _rank_state(saved: list[dict[str, Any]], rank: int, world_size: int, seed: i
         return saved[rank]
     rng = (saved[rank]["rng"] if rank < len(saved)
            else {"seed": _fresh_rng_seed(seed, rank, step)})
-    return {"loader": saved[0]["loader"], "rng": rng}
+    # Per-rank objective states (DPO's reference cache) are no rank's own any more: every
+    # rank gets all of them, for the objective to merge.
+    parts = [s["objective"] for s in saved if s.get("objective") is not None]
+    return {"loader": saved[0]["loader"], "rng": rng, "objective_parts": parts}
 
 
 def _fresh_rng_seed(seed: int, rank: int, step: int) -> int:
@@ -722,14 +749,18 @@ def _load_resume_state(directory: Path, fp: str, env: DistEnv,
         return None
     state = found[0] if found else ckpt.read_checkpoint(Path(chosen[0]))
     if len(state["ranks"]) != env.world_size and state.get("sharded"):
-        log(f"train: {chosen[0]} was saved by {len(state['ranks'])} processes, this run has "
+        log(f"train: {chosen[0]} was saved by {_processes(len(state['ranks']))}, this run has "
             f"{env.world_size}: DCP reshards the weights and optimizer state, and the loader "
             "continues at the same window")
     elif len(state["ranks"]) != env.world_size:
-        raise LmforgeError(f"{chosen[0]}: saved by {len(state['ranks'])} processes, "
+        raise LmforgeError(f"{chosen[0]}: saved by {_processes(len(state['ranks']))}, "
                            f"this run has {env.world_size}")
     state["path"] = chosen[0]
     return state
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
 
 
 def _save(directory: Path, fp: str, progress: _Progress, model: Llama,

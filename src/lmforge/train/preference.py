@@ -144,6 +144,17 @@ class DpoObjective:
                                  f" the data {self.cache[split].shape[0]}")
             self.cache[split] = values.clone()
 
+    @staticmethod
+    def merge_state_dicts(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Several ranks' caches as one (a resume on another number of ranks): each
+        document's value from the first rank that scored it."""
+        merged = {k: v.clone() for k, v in states[0].items()}
+        for state in states[1:]:
+            for split, values in state.items():
+                empty = torch.isnan(merged[split])
+                merged[split][empty] = values[empty]
+        return merged
+
     def count(self, batch: list[torch.Tensor]) -> int:
         """Pairs in the micro-batch."""
         targets, docs = batch[1], batch[3]

@@ -19,7 +19,7 @@ import torch
 from lmforge.config import ModelConfig
 from lmforge.errors import InputError
 from lmforge.model.llama import Llama
-from lmforge.model.saved import WEIGHTS, load_model
+from lmforge.model.saved import WEIGHTS, load_model, read_config
 
 # Fields that change how a model trains or how far it reads, not what its weights mean.
 _FREE = {"seq_len", "dropout", "doc_mask"}
@@ -56,19 +56,36 @@ def warm_start(model: Llama, source: str | Path, tokenizer_sha256: str) -> str:
         init, config = load_model(source)
     except InputError as e:  # e.g. a light snapshot or a bare safetensors file
         raise InputError(f"train.init_from: {e}") from None
-    _check_architecture(model.config, model.vocab_size, init.config, init.vocab_size, source)
-    theirs = config.get("tokenizer_sha256")
-    if theirs and tokenizer_sha256 and theirs != tokenizer_sha256:
-        raise InputError(
-            f"train.init_from: {source} was trained with tokenizer {theirs[:12]}, the shards "
-            f"use {tokenizer_sha256[:12]}; set tokenizer.init_from to its tokenizer.model "
-            "and rebuild the shards")
+    note = _check_source(model.config, model.vocab_size, init.config, init.vocab_size,
+                         config, source, tokenizer_sha256)
     target = model.state_dict()
     with torch.no_grad():
         for name, tensor in init.state_dict().items():
             target[name].copy_(tensor)
-    checked = "" if theirs else " (its tokenizer is unrecorded: not checked)"
-    return f"train: weights from {source}, {init.num_params():,} parameters{checked}"
+    return f"train: weights from {source}, {init.num_params():,} parameters{note}"
+
+
+def check_model_dir(ours: ModelConfig, our_vocab: int, source: str | Path,
+                    tokenizer_sha256: str) -> str:
+    """What :func:`warm_start` checks, from ``source``'s config alone (a model directory
+    whose weights are then read a slice at a time); returns warm_start's line."""
+    theirs, their_vocab, config = read_config(source)
+    note = _check_source(ours, our_vocab, theirs, their_vocab, config, Path(source),
+                         tokenizer_sha256)
+    return f"train: weights from {source}, read shard by shard{note}"
+
+
+def _check_source(ours: ModelConfig, our_vocab: int, theirs: ModelConfig, their_vocab: int,
+                  config: dict, source: Path, tokenizer_sha256: str) -> str:
+    """Architecture and tokenizer of the source against the run's; a note for the log."""
+    _check_architecture(ours, our_vocab, theirs, their_vocab, source)
+    recorded = config.get("tokenizer_sha256")
+    if recorded and tokenizer_sha256 and recorded != tokenizer_sha256:
+        raise InputError(
+            f"train.init_from: {source} was trained with tokenizer {recorded[:12]}, the shards "
+            f"use {tokenizer_sha256[:12]}; set tokenizer.init_from to its tokenizer.model "
+            "and rebuild the shards")
+    return "" if recorded else " (its tokenizer is unrecorded: not checked)"
 
 
 def _check_architecture(ours: ModelConfig, our_vocab: int, theirs: ModelConfig,
