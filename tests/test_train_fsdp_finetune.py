@@ -34,9 +34,9 @@ _RUN = textwrap.dedent("""
     from lmforge.model.lora import lora_modules, merge_lora
     from lmforge.model.saved import load_model
     from lmforge.train.distributed import setup, teardown
-    from lmforge.train.fsdp import ensure_process_group, shard_model
+    from lmforge.train.dpo import make_objective
+    from lmforge.train.fsdp import is_sharded
     from lmforge.train.loop import open_shard_data, train
-    from lmforge.train.preference import DpoObjective
 
     strategy, mode, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     env = setup("cpu", 1)
@@ -46,14 +46,10 @@ _RUN = textwrap.dedent("""
                     eval_every=4, eval_batches=0, ckpt_every=4, keep_last=2, num_threads=1,
                     compile=False, beta=0.5, init_from="base", strategy=strategy, lora=lora,
                     seed=3)
-    params = Params(model=load_model("base")[0].config, train=cfg)
-    if mode == "dpo":
-        reference = load_model("base")[0].requires_grad_(False).eval()
-        if strategy == "fsdp":
-            ensure_process_group(env)
-            shard_model(reference, env, bf16=False)
-        data.objective = DpoObjective(0.5, reference, len(data.train.doc_ends),
-                                      len(data.val.doc_ends))
+    params = Params(model=load_model("base")[0].config, train=cfg, dpo=cfg)
+    if mode == "dpo":  # the stage's reference: under fsdp built sharded from base's rows
+        data.objective = make_objective(params, params, data, env)
+        assert is_sharded(data.objective.reference) == (strategy == "fsdp")
     result = train(params, data, out / "checkpoints", "t" * 64, env, track=False)
     if env.is_main:
         adapters = len(lora_modules(result.model))

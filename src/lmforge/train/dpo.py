@@ -15,14 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lmforge.config import Params
 from lmforge.errors import InputError
 from lmforge.io import write_json, write_text
 from lmforge.model.lora import adamw_state_bytes
-from lmforge.model.saved import extend_context, load_checkpoint_model, load_model
+from lmforge.model.saved import WEIGHTS, extend_context, load_checkpoint_model, load_model
 from lmforge.shards.format import file_sha256
 from lmforge.train import distributed
-from lmforge.train.fsdp import ensure_process_group, shard_model
+from lmforge.train.fsdp import build_sharded, ensure_process_group, shard_model
 from lmforge.train.loop import TrainData, TrainResult, open_shard_data, train
 from lmforge.train.pipeline import failing_run_on_error, history_tsv, relaunched
 from lmforge.train.precision import resolve_precision
@@ -88,12 +90,22 @@ def make_objective(params: Params, run_params: Params, data: TrainData, env: Any
     With ``dpo.strategy: fsdp`` the reference is sharded like the policy: each rank then
     holds 1/world of both, and their forwards run on every rank together.
     """
-    reference = extend_context(load_reference(params.dpo.init_from, env.device),
-                               run_params.model.seq_len)
-    if params.dpo.strategy == "fsdp":
+    source = Path(params.dpo.init_from)
+    bf16 = resolve_precision(params.dpo.precision, env.device).name == "bf16"
+    if params.dpo.strategy == "fsdp" and source.is_dir():
+        # Built on meta and filled with this rank's rows of the weights file, as the
+        # policy is; its init draws are thrown away with a forked generator.
         ensure_process_group(env)
-        shard_model(reference, env, resolve_precision(params.dpo.precision, env.device).name
-                    == "bf16")
+        with torch.random.fork_rng(devices=[]):
+            reference = build_sharded(run_params.model, int(data.train.vocab_size), env, bf16,
+                                      weights=source / WEIGHTS)
+        reference.requires_grad_(False).eval()
+    else:
+        reference = extend_context(load_reference(params.dpo.init_from, env.device),
+                                   run_params.model.seq_len)
+        if params.dpo.strategy == "fsdp":  # a step-*.pt: loaded whole, then sharded
+            ensure_process_group(env)
+            shard_model(reference, env, bf16)
     return DpoObjective(params.dpo.beta, reference, len(data.train.doc_ends),
                         len(data.val.doc_ends), params.dpo.nll_weight)
 
