@@ -82,6 +82,19 @@ def test_fsdp_follows_the_ddp_trajectory(straight, tmp_path):
         assert torch.allclose(wa[name], wb[name], atol=1e-5), name
 
 
+def test_activation_checkpointing_under_fsdp_changes_no_figure(straight, tmp_path):
+    """Recomputing a sharded block in the backward gathers its weights again: the same
+    losses and weights as the run that kept its activations."""
+    root = fsdp_repo(tmp_path / "ac", "fsdp", ckpt_every=4, activation_checkpointing=True)
+    wait(start_ranks(root, ["-m", "stages.train"], tmp_path / "mlflow.db"))
+    a, b = losses(straight), losses(root)
+    assert len(b) == 10
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
+    wa, wb = final_weights(straight), final_weights(root)
+    for name in wa:
+        assert torch.allclose(wa[name], wb[name], atol=1e-5), name
+
+
 def test_sigkilled_fsdp_run_resumes_bit_identical(straight, tmp_path):
     killed = fsdp_repo(tmp_path / "killed", "fsdp", ckpt_every=4)
     procs = start_ranks(killed, ["-m", "stages.train"], tmp_path / "mlflow.db")
