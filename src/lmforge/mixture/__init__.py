@@ -1,0 +1,1 @@
+"""Choosing the data mixture by experiment: sample mixtures, fit proxy laws, search."""
