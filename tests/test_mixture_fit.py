@@ -78,10 +78,20 @@ def test_bad_bounds_raise_one_line_config_error(bounds, match):
     assert "\n" not in str(e.value)
 
 
-def test_bad_center_raises_config_error():
-    with pytest.raises(ConfigError, match="math"):
-        sample_mixtures(10, DOMAINS, {"web": 0.7, "code": 0.3}, 2.0, None,
+def test_zero_center_share_keeps_a_domain_at_zero():
+    R = sample_mixtures(200, DOMAINS, {"web": 0.7, "code": 0.3}, 2.0, {"web": (0.1, 0.9)},
                         np.random.default_rng(0))
+    assert np.all(R[:, 2] == 0.0) and np.all(R[:, 1] > 0)
+    np.testing.assert_allclose(R.sum(axis=1), 1.0, atol=1e-12)
+    with pytest.raises(ConfigError, match="bounds.math: lo 0.1 > 0, but its center share is 0"):
+        sample_mixtures(10, DOMAINS, {"web": 0.7, "code": 0.3}, 2.0, {"math": (0.1, 0.5)},
+                        np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("center", [{"web": 1.0, "code": -0.5}, {"web": 0.0}, {"wiki": 1.0}])
+def test_bad_center_raises_config_error(center):
+    with pytest.raises(ConfigError, match="mixture center"):
+        sample_mixtures(10, DOMAINS, center, 2.0, None, np.random.default_rng(0))
 
 
 def test_unsatisfiable_bounds_fail_clearly_instead_of_looping():
@@ -272,6 +282,11 @@ def test_search_never_recommends_an_infeasible_mixture():
     assert feasible(mix[None])[0]
     assert mix[2] <= 0.2 + 1e-9 and np.abs(mix - free_mix).max() > 0.1
     assert 0 < capped.eligible == capped.feasible < capped.candidates
+    # The same rule given as a mask over the candidates finds the same mixture.
+    masked = search(R, L, feasible=feasible(candidates()))
+    assert masked.recommendation == capped.recommendation
+    with pytest.raises(ValueError, match="boolean mask"):
+        search(R, L, feasible=np.ones(3, dtype=bool))
 
 
 def test_search_falls_back_to_best_candidate_when_top_k_mean_is_infeasible():
@@ -295,8 +310,11 @@ def test_search_falls_back_to_best_candidate_when_top_k_mean_is_infeasible():
     ok = cands[feasible(cands)]
     np.testing.assert_array_equal(mix, ok[np.argmin(law.predict(ok).mean(axis=1))])
     assert mix[2] < 1e-6
-    # Without the constraint the mean is used.
+    # Without the constraint the mean is used; with only a precomputed mask it cannot be
+    # re-checked, so it is used too (fine for convex rules such as epoch caps).
     assert search(R, L, top_k=40, cands=cands).used_top_k_mean
+    masked = search(R, L, feasible=feasible(cands), top_k=40, cands=cands)
+    assert masked.used_top_k_mean and masked.feasible == int(feasible(cands).sum())
 
 
 def test_target_objective_respects_the_cap():

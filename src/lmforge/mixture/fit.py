@@ -362,15 +362,18 @@ def _as_dict(names: Sequence[str], values: np.ndarray) -> dict[str, float]:
 
 def fit_and_search(R: np.ndarray, L: np.ndarray, domains: list[str], eval_domains: list[str],
                    objective: Objective | Mapping[str, Any], candidates: np.ndarray,
-                   feasible: Callable[[np.ndarray], np.ndarray] | None,
+                   feasible: Callable[[np.ndarray], np.ndarray] | np.ndarray | None,
                    reference: Mapping[str, float] | np.ndarray | None, top_k: int,
                    min_rank_corr: float, *,
                    laws: Sequence[Callable[[], Law]] = LAWS) -> FitReport:
     """Fit each law to the proxies (R, L), keep the one that best ranks held-out proxies,
     and recommend the mean of the top_k eligible candidates under it.
 
-    ``feasible`` maps mixtures (m x D) to a boolean mask, e.g.
-    ``lambda r: epoch_feasible(r, available, train_chars, max_epochs)``; None allows all.
+    ``feasible`` is a rule mapping mixtures (m x D) to a boolean mask, e.g.
+    ``lambda r: epoch_feasible(r, available, train_chars, max_epochs)``, or that mask
+    precomputed over the candidates, or None (all feasible). Only a rule can re-check the
+    top-k mean; with a mask the mean is taken as feasible, which is exact for convex rules
+    (epoch caps, bounds: a mean of feasible mixtures is feasible).
     ``reference`` (today's mix.weights) is required by the target objective.
     """
     R, L = _check_xy(R, L)
@@ -385,6 +388,12 @@ def fit_and_search(R: np.ndarray, L: np.ndarray, domains: list[str], eval_domain
     obj.check(eval_domains)
     if top_k < 1:
         raise ConfigError(f"top_k: {top_k} must be >= 1")
+    rule = feasible if callable(feasible) else None
+    if rule is None:
+        given = np.ones(len(candidates), dtype=bool) if feasible is None else np.asarray(feasible)
+        if given.dtype != bool or given.shape != (len(candidates),):
+            raise ValueError(f"fit_and_search: feasible must be a rule or a boolean mask over "
+                             f"the {len(candidates)} candidates, not {given.dtype} {given.shape}")
     ref = None if reference is None else _mixture_vector(reference, domains)
     if obj.kind == "target" and ref is None:
         raise ConfigError("objective kind target needs a reference mixture (mix.weights) "
@@ -422,10 +431,10 @@ def fit_and_search(R: np.ndarray, L: np.ndarray, domains: list[str], eval_domain
 
     ref_L = None if ref is None else law.predict(ref[None])[0]
 
-    def feasible_mask(mixtures: np.ndarray) -> np.ndarray:
-        if feasible is None:
+    def rule_allows(mixtures: np.ndarray) -> np.ndarray:
+        if rule is None:  # no rule, or only a mask over the candidates: see the docstring
             return np.ones(len(mixtures), dtype=bool)
-        return np.asarray(feasible(mixtures), dtype=bool).reshape(len(mixtures))
+        return np.asarray(rule(mixtures), dtype=bool).reshape(len(mixtures))
 
     def capped_mask(predicted: np.ndarray) -> np.ndarray:
         # Only the target kind caps anything; weighted leaves eligible == feasible.
@@ -434,7 +443,7 @@ def fit_and_search(R: np.ndarray, L: np.ndarray, domains: list[str], eval_domain
         return obj.allowed(predicted, ref_L, eval_domains)
 
     pred = law.predict(candidates)
-    feas = feasible_mask(candidates)
+    feas = given if rule is None else rule_allows(candidates)
     eligible = feas & capped_mask(pred)
     n_feasible, n_eligible = int(feas.sum()), int(eligible.sum())
 
@@ -457,7 +466,7 @@ def fit_and_search(R: np.ndarray, L: np.ndarray, domains: list[str], eval_domain
         mean_L = law.predict(mean[None])
         # Feasible and capped sets are convex for epoch limits and both laws, so the mean
         # nearly always passes; a user-supplied feasibility test need not be convex.
-        if feasible_mask(mean[None])[0] and capped_mask(mean_L)[0]:
+        if rule_allows(mean[None])[0] and capped_mask(mean_L)[0]:
             rec, rec_L, used_mean = mean, mean_L[0], True
         else:
             rec, rec_L = candidates[top[0]], pred[top[0]]

@@ -55,8 +55,9 @@ def sample_mixtures(n: int, domains: list[str], center: Mapping[str, float],
                     rng: np.random.Generator) -> np.ndarray:
     """n mixtures (n x D, rows sum to 1) from Dirichlet(concentration * center), within bounds.
 
-    ``center`` is normalised, so raw token counts work as well as shares. Larger
-    ``concentration`` keeps samples closer to the center. Rows outside ``bounds``
+    ``center`` is normalised, so raw token counts work as well as shares; a domain it
+    omits or gives 0 is always 0. Larger ``concentration`` keeps samples closer to the
+    center. Rows outside ``bounds``
     ({domain: (lo, hi)}, unnamed domains unbounded) are rejected, never clipped:
     clipping piles mass onto the bound and breaks the sum to 1.
     """
@@ -67,16 +68,21 @@ def sample_mixtures(n: int, domains: list[str], center: Mapping[str, float],
         raise ConfigError(f"mixture center: unknown domain(s) {', '.join(unknown)}; domains are "
                           f"{', '.join(domains)}")
     c = np.array([float(center.get(d, 0.0)) for d in domains])
-    if not np.all(np.isfinite(c)) or np.any(c <= 0):
-        missing = [d for d, v in zip(domains, c, strict=True) if not v > 0]
-        raise ConfigError(f"mixture center: every domain needs a share > 0 (Dirichlet alpha "
-                          f"must be positive); check {', '.join(missing) or 'the values'}")
+    if not np.all(np.isfinite(c)) or np.any(c < 0) or not c.sum() > 0:
+        raise ConfigError(f"mixture center: {dict(center)!r} must give shares >= 0, not all zero")
     if not concentration > 0 or not np.isfinite(concentration):
         raise ConfigError(f"mixture concentration: {concentration!r} must be a number > 0")
     if n < 0:
         raise ConfigError(f"mixture samples: n={n} must be >= 0")
     lo, hi = _bounds_arrays(domains, bounds)
-    alpha = concentration * c / c.sum()
+    # A domain with no share in the center (e.g. no text) stays at exactly 0: the
+    # Dirichlet runs over the others, as a zero alpha is not allowed.
+    active = c > 0
+    for i, d in enumerate(domains):
+        if lo[i] > 0 and not active[i]:
+            raise ConfigError(f"mixture bounds.{d}: lo {lo[i]:g} > 0, but its center share is "
+                              f"0, so no sample gives it any weight")
+    alpha = concentration * c[active] / c.sum()
 
     kept: list[np.ndarray] = []
     have = drawn = 0
@@ -85,7 +91,8 @@ def sample_mixtures(n: int, domains: list[str], center: Mapping[str, float],
         # low-but-acceptable rate does not take thousands of tiny rounds.
         rate = max(have / drawn, MIN_ACCEPTANCE) if drawn else 1.0
         batch = int(min(max(2 * (n - have) / rate, 4096), _MAX_BATCH))
-        x = rng.dirichlet(alpha, size=batch)
+        x = np.zeros((batch, len(domains)))
+        x[:, active] = rng.dirichlet(alpha, size=batch)
         # Dirichlet rows sum to 1 up to rounding; make it exact so bounds and sums agree.
         x /= x.sum(axis=1, keepdims=True)
         ok = x[np.all((x >= lo) & (x <= hi), axis=1)]
