@@ -14,21 +14,19 @@ parameters, AdamW state bytes and wall time.
 from __future__ import annotations
 
 import argparse
-import json
-import re
-import subprocess
 import sys
-import time
 from typing import Any
+
+from lmforge.experiments import dvc, experiments, queue_experiment, wait_for_queue
 
 REPLAYS = (0.0, 0.1, 0.3)
 # Hydra's override grammar, which `dvc exp run -S` parses.
 LORA = "{rank:8,alpha:16,dropout:0.0,targets:[attn,mlp]}"
 # LoRA trains ~3% of the weights and, as usual, takes a larger learning rate.
 # 90 steps (the table in the README); the demo default is shorter, for its time budget.
-STEPS = ["-S", "sft.max_steps=90"]
-MODES = {"full": ["-S", "sft.lora=null", "-S", "sft.lr=3e-4", *STEPS],
-         "lora": ["-S", f"sft.lora={LORA}", "-S", "sft.lr=1e-3", *STEPS]}
+STEPS = ["sft.max_steps=90"]
+MODES = {"full": ["sft.lora=null", "sft.lr=3e-4", *STEPS],
+         "lora": [f"sft.lora={LORA}", "sft.lr=1e-3", *STEPS]}
 PREFIX = "forget"
 
 
@@ -37,50 +35,12 @@ def name(mode: str, replay: float) -> str:
 
 
 def queue() -> None:
-    for mode, args in MODES.items():
+    for mode, sets in MODES.items():
         for replay in REPLAYS:
-            subprocess.run(["dvc", "exp", "run", "--queue", "-n", name(mode, replay),
-                            "-S", f"sft.replay={replay}", *args], check=True)
-    subprocess.run(["dvc", "queue", "start", "-j", "1"], check=True)
-    wait_for_queue()
-
-
-def wait_for_queue(poll: float = 20.0) -> None:
-    """Until no experiment is queued or running (``dvc queue start`` returns at once)."""
-    while True:
-        status = subprocess.run(["dvc", "queue", "status"], capture_output=True,
-                                text=True).stdout
-        busy = [line for line in status.splitlines()
-                if re.search(r"\b(Running|Queued)\s*$", line)]
-        if not busy:
-            print(status)
-            return
-        time.sleep(poll)
-
-
-def experiments() -> dict[str, dict[str, Any]]:
-    """``{name: {metrics file: data}}`` of every experiment ``dvc exp show`` lists."""
-    out = subprocess.run(["dvc", "exp", "show", "--json", "--all-commits"], check=True,
-                         capture_output=True, text=True).stdout
-    found: dict[str, dict[str, Any]] = {}
-    states: dict[str, str] = {}  # a queued or running experiment lists its baseline's metrics
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            if node.get("name") and isinstance(node.get("executor"), dict):
-                states[node["name"]] = node["executor"].get("state", "")
-            data = node.get("data")
-            if node.get("name") and isinstance(data, dict) and data.get("metrics"):
-                found[node["name"]] = {path: m.get("data", {})
-                                       for path, m in data["metrics"].items()}
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(json.loads(out))
-    return {n: m for n, m in found.items() if states.get(n, "success") == "success"}
+            queue_experiment(name(mode, replay), [f"sft.replay={replay}", *sets])
+    dvc("queue", "start", "-j", "1")
+    wait_for_queue(poll=20.0)
+    print(dvc("queue", "status"))
 
 
 def finished(metrics: dict[str, Any] | None) -> bool:
@@ -100,7 +60,7 @@ def row(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def report() -> str:
-    exps = experiments()
+    exps = {n: e["metrics"] for n, e in experiments().items() if e["state"] == "success"}
     rows = [(mode, replay, row(exps[name(mode, replay)])) for mode in MODES
             for replay in REPLAYS if finished(exps.get(name(mode, replay)))]
     if not rows:

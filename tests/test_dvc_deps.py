@@ -74,6 +74,12 @@ NON_OUTPUT_KEYS: dict[str, dict[str, str]] = {
     # the frozen reference and draws no random numbers, so eval_every is cadence too).
     "sft": dict(TUNING_CADENCE),
     "dpo": dict(TUNING_CADENCE),
+    # Read by `lmforge mix sweep` / `mix fit`, which queue experiments with their own -S
+    # overrides of the stages' keys; no stage reads this section.
+    "mix_sweep": {k: "the mixture sweep's own settings" for k in (
+        "proxies", "seed", "concentration", "bounds", "proxy_model", "max_steps",
+        "micro_batch_size", "eval_batches", "jobs", "name", "objective", "objective_weights",
+        "target_domain", "max_increase", "candidates", "top_k", "min_rank_corr")},
     # Everything else changes outputs, kernels and thread counts included: torch splits
     # CPU reductions by thread (train.num_threads), unigram tokenizers depend on
     # sentencepiece's threads (tokenizer.num_threads), and compile, fused_loss,

@@ -11,6 +11,7 @@ from lmforge.data.filter_cli import add_filter_parser
 from lmforge.errors import InputError, LmforgeError
 from lmforge.evaluate.harness_cli import add_eval_parser
 from lmforge.export import add_export_parser, add_import_parser
+from lmforge.mixture.cli import add_mix_parser
 from lmforge.shards.inspect import add_inspect_parser
 from lmforge.train.checkpoints_cli import add_checkpoints_parser
 from lmforge.train.plan import add_plan_parser
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_filter_parser(sub)
     add_eval_parser(sub)
     add_plan_parser(sub)
+    add_mix_parser(sub)
     return parser
 
 

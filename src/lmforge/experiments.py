@@ -1,0 +1,88 @@
+"""DVC experiments from Python: queue them, wait for the queue, read their results.
+
+Sweeps (``lmforge mix sweep``, ``bench/forgetting_sweep.py``) are DVC queued experiments,
+so every proxy is an ordinary experiment: ``dvc exp show`` lists it, ``dvc exp apply``
+restores it, and its stages' outputs are in the DVC cache.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lmforge.errors import LmforgeError
+
+
+def dvc(*args: str, capture: bool = True) -> str:
+    """Run ``dvc args``; its stdout, or one-line error with the end of its output."""
+    try:
+        proc = subprocess.run(["dvc", *args], capture_output=capture, text=True)
+    except FileNotFoundError:
+        raise LmforgeError("dvc: not found on PATH (pip install lmforge installs it)") from None
+    if proc.returncode != 0:
+        tail = ((proc.stderr or "") + (proc.stdout or "")).strip().splitlines()[-3:]
+        raise LmforgeError(f"dvc {' '.join(args[:3])} failed: {' / '.join(tail)}")
+    return proc.stdout or ""
+
+
+def queue_experiment(name: str, sets: list[str], targets: tuple[str, ...] = ()) -> None:
+    """``dvc exp run --queue [targets] -n name -S set ...``."""
+    args = ["exp", "run", "--queue", *targets, "-n", name]
+    for s in sets:
+        args += ["-S", s]
+    dvc(*args)
+
+
+def busy_experiments() -> list[str]:
+    """Lines of ``dvc queue status`` for experiments queued or running."""
+    status = dvc("queue", "status")
+    return [line for line in status.splitlines() if re.search(r"\b(Running|Queued)\s*$", line)]
+
+
+def wait_for_queue(poll: float = 10.0, report: Callable[[int], None] | None = None) -> None:
+    """Until no experiment is queued or running (``dvc queue start`` returns at once);
+    ``report(n)`` is told how many still are, whenever that changes."""
+    last = None
+    while busy := busy_experiments():
+        if report is not None and len(busy) != last:
+            report(len(busy))
+        last = len(busy)
+        time.sleep(poll)
+
+
+def experiments() -> dict[str, dict[str, Any]]:
+    """Every experiment ``dvc exp show --all-commits`` lists, by name: its ``state``
+    (success, failed, queued, running), ``params`` and ``metrics`` ({file: data})."""
+    out = dvc("exp", "show", "--json", "--all-commits")
+    found: dict[str, dict[str, Any]] = {}
+
+    # Commits hold "experiments": [{"revs": [{"rev", "name", "data"}], "executor":
+    # {"state"}}]; a commit itself (a branch) has a name and data but no executor.
+    def walk(node: Any, state: str | None) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("executor"), dict):
+                state = node["executor"].get("state") or state
+            name, data = node.get("name"), node.get("data")
+            if state and name and isinstance(data, dict):
+                found.setdefault(name, {"state": state,
+                                        "metrics": _files(data.get("metrics")),
+                                        "params": _files(data.get("params"))})
+            for key, value in node.items():
+                walk(value, state if key == "revs" else None)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value, state)
+
+    walk(json.loads(out or "[]"), None)
+    return found
+
+
+def _files(section: Any) -> dict[str, Any]:
+    """``{path: data}`` of a ``dvc exp show --json`` metrics or params section."""
+    if not isinstance(section, dict):
+        return {}
+    return {path: (m or {}).get("data", {}) for path, m in section.items()}

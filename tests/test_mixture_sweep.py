@@ -1,0 +1,258 @@
+"""lmforge mix sweep / fit / score around a fake DVC: which proxies are queued (a rerun
+goes on where the sweep was), what each is told, and the fit's outputs from their
+results. The real DVC queue runs in tests/test_pipeline_e2e.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from lmforge.config import load_params
+from lmforge.errors import InputError
+from lmforge.mixture import report, sweep
+
+REPO = Path(__file__).resolve().parents[1]
+DOMAINS = ["code_python", "en_literature", "en_tech", "math", "zh_classical", "zh_modern"]
+AVAILABLE = [3.0e6, 3.6e6, 4.2e6, 4.8e6, 1.6e6, 1.4e6]
+
+
+@pytest.fixture
+def workspace(tmp_path, monkeypatch):
+    """A repo root with params.yaml and the metrics a reproduced pipeline leaves."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text(encoding="utf-8"))
+    (tmp_path / "metrics").mkdir()
+    # Domain d was repeated e times: it wrote e x its text.
+    epochs = [0.5, 1.0, 2.0, 0.25, 1.5, 2.0]
+    mix = {"domains": {d: {"train_chars": a * e, "epochs": e, "achieved_share": 1 / 6}
+                       for d, a, e in zip(DOMAINS, AVAILABLE, epochs, strict=True)}}
+    (tmp_path / "metrics" / "mix.json").write_text(json.dumps(mix))
+    (tmp_path / "metrics" / "shards.json").write_text(json.dumps({"train": {"tokens": 4e6}}))
+    (tmp_path / "models" / "tokenizer").mkdir(parents=True)
+    (tmp_path / "models" / "tokenizer" / "tokenizer.model").write_bytes(b"sp-model")
+    return tmp_path
+
+
+def params(**sweep_cfg):
+    p = load_params("params.yaml")
+    p.mix_sweep = dataclasses.replace(p.mix_sweep, **sweep_cfg)
+    p.validate()
+    return p
+
+
+def test_domain_sizes_are_the_unique_text_behind_each_share(workspace):
+    sizes = sweep.domain_sizes()
+    assert sizes.domains == DOMAINS
+    assert np.allclose(sizes.available, AVAILABLE)
+    assert sum(sizes.natural.values()) == pytest.approx(1.0)
+    assert sizes.natural["math"] == pytest.approx(4.8 / sum(AVAILABLE) * 1e6)
+
+
+def test_mix_json_missing_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError, match="dvc repro mix"):
+        sweep.domain_sizes()
+
+
+def test_proxy_mixtures_are_seeded_bounded_and_a_longer_sweep_keeps_the_first(workspace):
+    sizes = sweep.domain_sizes()
+    bounds = {"math": [0.1, 0.5]}
+    six = sweep.proxy_mixtures(params(proxies=6, bounds=bounds).mix_sweep, sizes)
+    ten = sweep.proxy_mixtures(params(proxies=10, bounds=bounds).mix_sweep, sizes)
+    assert np.array_equal(ten[:6], six)
+    assert np.allclose(ten.sum(axis=1), 1.0)
+    math_col = DOMAINS.index("math")
+    assert ((ten[:, math_col] >= 0.1) & (ten[:, math_col] <= 0.5)).all()
+    other = sweep.proxy_mixtures(params(proxies=6, bounds=bounds, seed=1).mix_sweep, sizes)
+    assert not np.allclose(other, six)
+
+
+class FakeDvc:
+    """Records what the sweep asks of DVC; experiments in ``states`` already exist."""
+
+    def __init__(self, states: dict[str, str]) -> None:
+        self.states = dict(states)
+        self.queued: dict[str, list[str]] = {}
+        self.calls: list[tuple[str, ...]] = []
+
+    def dvc(self, *args: str, capture: bool = True) -> str:
+        self.calls.append(args)
+        if args[:2] == ("exp", "remove"):
+            del self.states[args[2]]
+        if args[:2] == ("queue", "start"):  # the queue runs: every queued one succeeds
+            self.states.update(dict.fromkeys(self.queued, "success"))
+        return "{}" if args[0] == "status" else ""
+
+    def queue(self, name: str, sets: list[str], targets: tuple[str, ...] = ()) -> None:
+        assert targets == ("evaluate",)  # the stages after evaluate never run for a proxy
+        assert name not in self.states, f"{name} queued twice"
+        self.queued[name] = sets
+
+    def experiments(self) -> dict:
+        return {n: {"state": s, "metrics": {}, "params": {}} for n, s in self.states.items()}
+
+    def install(self, monkeypatch) -> None:
+        monkeypatch.setattr(sweep, "dvc", self.dvc)
+        monkeypatch.setattr(sweep, "queue_experiment", self.queue)
+        monkeypatch.setattr(sweep, "experiments", self.experiments)
+        monkeypatch.setattr(sweep, "wait_for_queue", lambda report=None: None)
+
+
+def test_a_rerun_queues_only_the_proxies_not_done_and_retries_the_failed(workspace,
+                                                                         monkeypatch):
+    fake = FakeDvc({"mixsweep-00": "success", "mixsweep-02": "failed",
+                    "mixsweep-03": "running", "other-exp": "success"})
+    fake.install(monkeypatch)
+    lines: list[str] = []
+    names = sweep.run_sweep(params(proxies=5, jobs=2), log=lines.append)
+    assert names == [f"mixsweep-{i:02d}" for i in range(5)]
+    assert sorted(fake.queued) == ["mixsweep-01", "mixsweep-02", "mixsweep-04"]
+    assert ("exp", "remove", "mixsweep-02") in fake.calls
+    assert ("queue", "start", "-j", "2") in fake.calls
+    assert any("3 proxies queued, 2 already there" in line for line in lines), lines
+
+    # What a proxy is told: its weights, the proxy's shape and budget, the frozen tokenizer.
+    sets = fake.queued["mixsweep-01"]
+    weights = {s.split("=")[0].removeprefix("mix.weights."): float(s.split("=")[1])
+               for s in sets if s.startswith("mix.weights.")}
+    assert sorted(weights) == DOMAINS and sum(weights.values()) == pytest.approx(1, abs=1e-5)
+    expected = sweep.proxy_mixtures(params(proxies=5).mix_sweep, sweep.domain_sizes())[1]
+    assert np.allclose([weights[d] for d in DOMAINS], expected, atol=1e-6)
+    frozen = workspace / "models" / "mix_sweep" / "tokenizer.model"
+    assert f"tokenizer.init_from={frozen}" in sets
+    assert frozen.read_bytes() == b"sp-model"
+    assert {"model.n_layer=2", "train.max_steps=150", "train.compile=false",
+            "evaluate.max_batches=32"} <= set(sets)
+
+
+def test_the_frozen_tokenizer_outlives_a_new_workspace_tokenizer(workspace, monkeypatch):
+    FakeDvc({}).install(monkeypatch)
+    sweep.run_sweep(params(proxies=1), log=lambda _: None)
+    (workspace / "models" / "tokenizer" / "tokenizer.model").write_bytes(b"retrained")
+    fake = FakeDvc({})
+    fake.install(monkeypatch)
+    sweep.run_sweep(params(proxies=2), log=lambda _: None)
+    assert (workspace / "models" / "mix_sweep" / "tokenizer.model").read_bytes() == b"sp-model"
+
+
+def test_stale_data_stages_stop_the_sweep_before_queueing(workspace, monkeypatch):
+    fake = FakeDvc({})
+    fake.install(monkeypatch)
+    monkeypatch.setattr(sweep, "dvc", lambda *a, **k: json.dumps({"dedup": []})
+                        if a[0] == "status" else "")
+    with pytest.raises(InputError, match="dedup"):
+        sweep.run_sweep(params(proxies=2), log=lambda _: None)
+    assert not fake.queued
+
+
+# ------------------------------------------------------------------------------ fit
+
+
+def synthetic_results(n: int, rng: np.random.Generator, noise: float = 0.002):
+    """Proxies whose bits-per-byte follow a known law: each domain gains from its own
+    share and a little from its language's neighbours."""
+    sizes = sweep.domain_sizes()
+    shares = sweep.proxy_mixtures(params(proxies=n).mix_sweep, sizes)
+    gain = np.full((6, 6), 0.05) + np.eye(6) * 1.2
+    bpb = 3.0 - np.log1p(shares @ gain.T * 4) + rng.normal(0, noise, (n, 6))
+    return shares, bpb
+
+
+def fake_experiments(shares, bpb, failed=()):
+    exps = {}
+    for i, (s, b) in enumerate(zip(shares, bpb, strict=True)):
+        name = f"mixsweep-{i:02d}"
+        exps[name] = {"state": "failed" if name in failed else "success", "params": {},
+                      "metrics": {
+                          "metrics/mix.json": {"domains": {
+                              d: {"achieved_share": float(v)} for d, v in zip(DOMAINS, s, strict=True)}},
+                          "metrics/eval.json": {"val": {"domains": {
+                              d: {"bits_per_byte": float(v)} for d, v in zip(DOMAINS, b, strict=True)}}}}}
+    return exps
+
+
+def test_fit_recommends_a_feasible_mixture_and_writes_what_dvc_and_mlflow_show(
+        workspace, monkeypatch):
+    shares, bpb = synthetic_results(24, np.random.default_rng(0))
+    monkeypatch.setattr(report, "experiments", lambda: fake_experiments(
+        shares, bpb, failed={"mixsweep-05"}))
+    lines: list[str] = []
+    p = params(proxies=24, candidates=20_000, top_k=50)
+    fitted = report.run_fit(p, log=lines.append)
+    assert fitted.trusted and fitted.rank_corr > 0.8, fitted.rank_corr
+    rec = fitted.recommendation
+    assert sorted(rec) == DOMAINS and sum(rec.values()) == pytest.approx(1.0)
+    # Feasible: no domain read more than max_epochs times by the real run.
+    chars = report.train_chars(p, sweep.domain_sizes())
+    assert all(rec[d] * chars / a <= p.mix.max_epochs + 1e-9
+               for d, a in zip(DOMAINS, AVAILABLE, strict=True))
+    assert fitted.predicted_objective < fitted.reference_objective
+
+    saved = json.loads((workspace / "metrics" / "mix_fit.json").read_text())
+    assert len(saved["proxies"]) == 23 and "mixsweep-05" not in saved["proxies"]
+    rows = (workspace / "plots" / "mix_fit.tsv").read_text().splitlines()
+    assert rows[0] == "proxy\tmeasured\tpredicted" and len(rows) == 24
+    md = (workspace / "metrics" / "mix_fit.md").read_text()
+    assert "dvc exp run -n mixsweep-confirm -S mix.weights." in md
+    assert any("recommended mix.weights" in line for line in lines)
+
+    import mlflow
+
+    runs = mlflow.search_runs(experiment_names=["lmforge"],
+                              filter_string="tags.`lmforge.stage` = 'mix_fit'")
+    assert len(runs) == 1
+    assert runs.iloc[0]["metrics.rank_corr"] == pytest.approx(fitted.rank_corr)
+
+
+def test_a_fit_on_noise_recommends_nothing_and_says_why(workspace, monkeypatch):
+    rng = np.random.default_rng(1)
+    shares, _ = synthetic_results(20, rng)
+    noise = 3.0 + rng.normal(0, 0.05, (20, 6))
+    monkeypatch.setattr(report, "experiments", lambda: fake_experiments(shares, noise))
+    fitted = report.run_fit(params(proxies=20, candidates=5_000), log=lambda _: None)
+    assert not fitted.trusted and fitted.recommendation is None
+    assert "rank correlation" in fitted.reason
+    md = (workspace / "metrics" / "mix_fit.md").read_text()
+    assert "no recommendation" in md and "dvc exp run" not in md
+
+
+def test_no_finished_proxy_is_one_line(workspace, monkeypatch):
+    monkeypatch.setattr(report, "experiments", dict)
+    with pytest.raises(InputError, match="lmforge mix sweep"):
+        report.run_fit(params(), log=lambda _: None)
+
+
+def test_score_uses_the_objectives_fixed_weights(workspace, monkeypatch):
+    b = {d: 2.0 + i / 10 for i, d in enumerate(DOMAINS)}
+    (workspace / "metrics" / "eval.json").write_text(json.dumps(
+        {"val": {"domains": {d: {"bits_per_byte": v} for d, v in b.items()}}}))
+    other = fake_experiments([np.full(6, 1 / 6)], [np.full(6, 2.5)])
+    monkeypatch.setattr(report, "experiments", lambda: other)
+    scores = report.run_score(params(), ["mixsweep-00"], log=lambda _: None)
+    assert scores["workspace"] == pytest.approx(np.mean(list(b.values())))
+    assert scores["mixsweep-00"] == pytest.approx(2.5)
+    target = report.run_score(params(objective="target", target_domain="math"), [],
+                              log=lambda _: None)
+    assert target["workspace"] == pytest.approx(b["math"])
+    with pytest.raises(InputError, match="nope"):
+        report.run_score(params(), ["nope"], log=lambda _: None)
+
+
+def test_mix_sweep_settings_are_checked_on_load(tmp_path):
+    raw = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
+    raw["mix_sweep"]["bounds"] = {"klingon": [0.1, 0.2]}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    from lmforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="klingon"):
+        load_params(tmp_path / "params.yaml")
+    raw["mix_sweep"].update(bounds={}, objective="target", target_domain=None)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="target_domain"):
+        load_params(tmp_path / "params.yaml")
