@@ -351,3 +351,56 @@ def test_exp_run_sft_param_reruns_only_post_training(pipeline, env):
         assert f"Running stage '{stage}'" not in out, out[-3000:]
     for stage in ("sft_data", "sft", "dpo", "evaluate_post"):
         assert f"Running stage '{stage}'" in out, out[-3000:]
+
+
+def test_mix_sweep_queues_proxies_that_rerun_only_mix_to_evaluate_and_fits(pipeline, env):
+    """lmforge mix sweep / fit / score on the real DVC queue: three proxies."""
+    root, _ = pipeline
+    params = yaml.safe_load((root / "params.yaml").read_text(encoding="utf-8"))
+    params["mix_sweep"].update(proxies=3, jobs=1, max_steps=4, micro_batch_size=4,
+                               eval_batches=2, proxy_model={"n_layer": 1, "n_embd": 32},
+                               candidates=2000, top_k=10)
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False),
+                                      encoding="utf-8")
+    out = run(["lmforge", "mix", "sweep"], root, env)
+    assert "3 proxies queued, 0 already there" in out, out
+    names = [f"mixsweep-{i:02d}" for i in range(3)]
+    shown = json.loads(run(["dvc", "exp", "show", "--json"], root, env))
+    found = {r["name"]: r for c in shown for e in (c.get("experiments") or [])
+             for r in e["revs"]}
+    frozen = str(root / "models" / "mix_sweep" / "tokenizer.model")
+    sweep_weights = []
+    for name in names:
+        assert name in found, sorted(found)
+        data = found[name]["data"]
+        p = data["params"]["params.yaml"]["data"]
+        assert p["tokenizer"]["init_from"] == frozen and p["model"]["n_layer"] == 1
+        sweep_weights.append(p["mix"]["weights"])
+        assert data["metrics"]["metrics/tokenizer.json"]["data"]["init_from"] == frozen
+        logs = run(["dvc", "queue", "logs", name], root, env)
+        for stage in ("ingest", "filter", "dedup"):
+            assert f"Running stage '{stage}'" not in logs, logs[-3000:]
+        for stage in ("mix", "tokenizer", "shards", "train", "evaluate"):
+            assert f"Running stage '{stage}'" in logs, logs[-3000:]
+        assert "Running stage 'sft" not in logs  # nothing after evaluate
+    assert sweep_weights[0] != sweep_weights[1]
+    # The tokenizer is the one frozen from the workspace, so every proxy's ids agree.
+    assert Path(frozen).read_bytes() == (root / "models" / "tokenizer" /
+                                         "tokenizer.model").read_bytes()
+
+    # A rerun queues nothing: every proxy is there.
+    assert "0 proxies queued, 3 already there" in run(["lmforge", "mix", "sweep"], root, env)
+
+    out = run(["lmforge", "mix", "fit"], root, env)
+    fit = load(root / "metrics" / "mix_fit.json")
+    assert fit["proxies"] == names and len(fit["measured_objective"]) == 3
+    assert all(math.isfinite(v) for v in fit["measured_objective"])
+    laws = {law["name"]: law for law in fit["laws"]}
+    assert "linear" in laws and laws["mixing_law"]["error"]  # 3 points: too few for it
+    if fit["trusted"]:
+        assert sum(fit["recommendation"].values()) == pytest.approx(1.0)
+    else:
+        assert fit["recommendation"] is None and "rank correlation" in fit["reason"]
+    assert (root / "plots" / "mix_fit.tsv").read_text().count("\n") == 4
+    scored = run(["lmforge", "mix", "score", "mixsweep-01"], root, env)
+    assert "workspace: objective" in scored and "mixsweep-01: objective" in scored

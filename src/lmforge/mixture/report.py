@@ -118,7 +118,10 @@ def run_fit(params: Params, log: Callable[[str], None] = print) -> FitReport:
                                  cfg.concentration, bounds,
                                  np.random.default_rng([cfg.seed, 1 << 30]))
     chars = train_chars(params, sizes)
-    feasible = epoch_feasible(candidates, sizes.available, chars, params.mix.max_epochs)
+
+    def feasible(mixtures: np.ndarray) -> np.ndarray:  # what the real run may repeat
+        return epoch_feasible(mixtures, sizes.available, chars, params.mix.max_epochs)
+
     total = sum(params.mix.weights.values())
     reference = np.array([params.mix.weights.get(d, 0.0) / total for d in sizes.domains])
     report = fit_and_search(proxies.shares, proxies.bpb, sizes.domains, proxies.eval_domains,
