@@ -357,7 +357,7 @@ def test_mix_sweep_queues_proxies_that_rerun_only_mix_to_evaluate_and_fits(pipel
     """lmforge mix sweep / fit / score on the real DVC queue: three proxies."""
     root, _ = pipeline
     params = yaml.safe_load((root / "params.yaml").read_text(encoding="utf-8"))
-    params["mix_sweep"].update(proxies=3, jobs=1, max_steps=4, micro_batch_size=4,
+    params["mix_sweep"].update(proxies=3, jobs=2, max_steps=4, micro_batch_size=4,
                                eval_batches=2, proxy_model={"n_layer": 1, "n_embd": 32},
                                candidates=2000, top_k=10)
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False),
