@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 
 from lmforge.config import load_params
 
@@ -15,7 +16,9 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     if args.proxies is not None:
         params.mix_sweep = dataclasses.replace(params.mix_sweep, proxies=args.proxies)
         params.mix_sweep.validate()
-    run_sweep(params, jobs=args.jobs, dry_run=args.dry_run)
+    # Flushed: the sweep runs for many minutes, often with its output in a file.
+    run_sweep(params, jobs=args.jobs, dry_run=args.dry_run,
+              log=functools.partial(print, flush=True))
 
 
 def cmd_fit(args: argparse.Namespace) -> None:
