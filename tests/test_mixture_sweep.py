@@ -199,7 +199,7 @@ def test_fit_recommends_a_feasible_mixture_and_writes_what_dvc_and_mlflow_show(
     rows = (workspace / "plots" / "mix_fit.tsv").read_text().splitlines()
     assert rows[0] == "proxy\tmeasured\tpredicted" and len(rows) == 24
     md = (workspace / "metrics" / "mix_fit.md").read_text()
-    assert "dvc exp run -n mixsweep-confirm -S mix.weights." in md
+    assert "dvc exp run evaluate -n mixsweep-confirm -S mix.weights." in md
     assert any("recommended mix.weights" in line for line in lines)
 
     import mlflow

@@ -138,7 +138,7 @@ def confirm_command(report: FitReport, cfg: MixSweepConfig) -> str | None:
     if report.recommendation is None:
         return None
     sets = " ".join(f"-S mix.weights.{d}={w:.4f}" for d, w in report.recommendation.items())
-    return f"dvc exp run -n {cfg.name}-confirm {sets}"
+    return f"dvc exp run evaluate -n {cfg.name}-confirm {sets}"
 
 
 def summary(report: FitReport, cfg: MixSweepConfig) -> str:
