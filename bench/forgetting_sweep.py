@@ -17,7 +17,13 @@ import argparse
 import sys
 from typing import Any
 
-from lmforge.experiments import dvc, experiments, queue_experiment, wait_for_queue
+from lmforge.experiments import (
+    dvc,
+    experiments,
+    queue_experiment,
+    start_queue,
+    wait_for_queue,
+)
 
 REPLAYS = (0.0, 0.1, 0.3)
 # Hydra's override grammar, which `dvc exp run -S` parses.
@@ -38,7 +44,7 @@ def queue() -> None:
     for mode, sets in MODES.items():
         for replay in REPLAYS:
             queue_experiment(name(mode, replay), [f"sft.replay={replay}", *sets])
-    dvc("queue", "start", "-j", "1")
+    start_queue(1)
     wait_for_queue(poll=20.0)
     print(dvc("queue", "status"))
 

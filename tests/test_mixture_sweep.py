@@ -85,9 +85,11 @@ class FakeDvc:
         self.calls.append(args)
         if args[:2] == ("exp", "remove"):
             del self.states[args[2]]
-        if args[:2] == ("queue", "start"):  # the queue runs: every queued one succeeds
-            self.states.update(dict.fromkeys(self.queued, "success"))
         return "{}" if args[0] == "status" else ""
+
+    def start(self, jobs: int) -> None:  # the queue runs: every queued one succeeds
+        self.calls.append(("queue", "start", "-j", str(jobs)))
+        self.states.update(dict.fromkeys(self.queued, "success"))
 
     def queue(self, name: str, sets: list[str], targets: tuple[str, ...] = ()) -> None:
         assert targets == ("evaluate",)  # the stages after evaluate never run for a proxy
@@ -100,6 +102,7 @@ class FakeDvc:
     def install(self, monkeypatch) -> None:
         monkeypatch.setattr(sweep, "dvc", self.dvc)
         monkeypatch.setattr(sweep, "queue_experiment", self.queue)
+        monkeypatch.setattr(sweep, "start_queue", self.start)
         monkeypatch.setattr(sweep, "experiments", self.experiments)
         monkeypatch.setattr(sweep, "wait_for_queue", lambda report=None: None)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,22 @@ def queue_experiment(name: str, sets: list[str], targets: tuple[str, ...] = ()) 
     for s in sets:
         args += ["-S", s]
     dvc(*args)
+
+
+def start_queue(jobs: int) -> None:
+    """``dvc queue start -j jobs``, returning once the workers are up.
+
+    The workers are daemons that inherit the starting process's stdout and stderr: with
+    pipes there (``capture_output``) reading them would wait until the whole queue had
+    run. A temporary file takes their output instead, and still gives an error's text.
+    """
+    with tempfile.TemporaryFile(mode="w+") as out:
+        proc = subprocess.run(["dvc", "queue", "start", "-j", str(jobs)], stdout=out,
+                              stderr=out, text=True)
+        if proc.returncode != 0:
+            out.seek(0)
+            tail = out.read().strip().splitlines()[-3:]
+            raise LmforgeError(f"dvc queue start failed: {' / '.join(tail)}")
 
 
 def busy_experiments() -> list[str]:

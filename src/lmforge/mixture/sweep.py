@@ -26,7 +26,13 @@ import numpy as np
 
 from lmforge.config import MixSweepConfig, Params
 from lmforge.errors import InputError
-from lmforge.experiments import dvc, experiments, queue_experiment, wait_for_queue
+from lmforge.experiments import (
+    dvc,
+    experiments,
+    queue_experiment,
+    start_queue,
+    wait_for_queue,
+)
 from lmforge.mixture.space import sample_mixtures
 
 MIX_METRICS = Path("metrics/mix.json")
@@ -145,7 +151,7 @@ def run_sweep(params: Params, jobs: int | None = None, dry_run: bool = False,
         queued += 1
     log(f"mix sweep: {queued} proxies queued, {len(names) - queued} already there; "
         f"running {jobs or cfg.jobs} at a time")
-    dvc("queue", "start", "-j", str(jobs or cfg.jobs))
+    start_queue(jobs or cfg.jobs)
     wait_for_queue(report=lambda n: log(f"mix sweep: {n} proxies queued or running"))
     states = {n: e["state"] for n, e in experiments().items() if n in names}
     failed = sorted(n for n in names if states.get(n) != "success")
