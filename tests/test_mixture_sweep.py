@@ -183,10 +183,12 @@ def fake_experiments(shares, bpb, failed=()):
 def test_fit_recommends_a_feasible_mixture_and_writes_what_dvc_and_mlflow_show(
         workspace, monkeypatch):
     shares, bpb = synthetic_results(24, np.random.default_rng(0))
-    monkeypatch.setattr(report, "experiments", lambda: fake_experiments(
-        shares, bpb, failed={"mixsweep-05"}))
+    exps = fake_experiments(shares, bpb, failed={"mixsweep-05"})
+    exps["mixsweep-confirm"] = exps["other"] = exps["mixsweep-00"]
+    monkeypatch.setattr(report, "experiments", lambda: exps)
     lines: list[str] = []
-    p = params(proxies=24, candidates=20_000, top_k=50)
+    # 20 in params, 24 run (`mix sweep --proxies 24`): all of them count.
+    p = params(proxies=20, candidates=20_000, top_k=50)
     fitted = report.run_fit(p, log=lines.append)
     assert fitted.trusted and fitted.rank_corr > 0.8, fitted.rank_corr
     rec = fitted.recommendation
@@ -202,7 +204,7 @@ def test_fit_recommends_a_feasible_mixture_and_writes_what_dvc_and_mlflow_show(
     rows = (workspace / "plots" / "mix_fit.tsv").read_text().splitlines()
     assert rows[0] == "proxy\tmeasured\tpredicted" and len(rows) == 24
     md = (workspace / "metrics" / "mix_fit.md").read_text()
-    assert "dvc exp run evaluate -n mixsweep-confirm -S mix.weights." in md
+    assert "dvc exp run --temp evaluate -n mixsweep-confirm -S mix.weights." in md
     assert any("recommended mix.weights" in line for line in lines)
 
     import mlflow

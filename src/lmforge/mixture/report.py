@@ -15,6 +15,7 @@ run ``<name>-fit`` holding all three.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from lmforge.experiments import experiments
 from lmforge.io import write_json, write_text
 from lmforge.mixture.fit import FitReport, Objective, fit_and_search
 from lmforge.mixture.space import epoch_feasible, sample_mixtures
-from lmforge.mixture.sweep import MIX_METRICS, DomainSizes, domain_sizes, proxy_name
+from lmforge.mixture.sweep import MIX_METRICS, DomainSizes, domain_sizes
 
 EVAL = "metrics/eval.json"
 MIX = "metrics/mix.json"
@@ -68,10 +69,12 @@ def collect(cfg: MixSweepConfig, domains: list[str]) -> Proxies:
     """Every finished proxy of the sweep, as ``dvc exp show`` lists them."""
     names, shares, bpbs = [], [], []
     found = experiments()
-    for i in range(cfg.proxies):
-        name = proxy_name(cfg, i)
-        exp = found.get(name)
-        if exp is None or exp["state"] != "success":
+    # Every proxy of the sweep, also those a `mix sweep --proxies N` added beyond
+    # mix_sweep.proxies.
+    pattern = re.compile(rf"{re.escape(cfg.name)}-\d{{2,}}")
+    for name in sorted(n for n in found if pattern.fullmatch(n)):
+        exp = found[name]
+        if exp["state"] != "success":
             continue
         metrics = exp["metrics"]
         try:
@@ -138,7 +141,8 @@ def confirm_command(report: FitReport, cfg: MixSweepConfig) -> str | None:
     if report.recommendation is None:
         return None
     sets = " ".join(f"-S mix.weights.{d}={w:.4f}" for d, w in report.recommendation.items())
-    return f"dvc exp run evaluate -n {cfg.name}-confirm {sets}"
+    # --temp: the workspace keeps today's weights and results to compare with.
+    return f"dvc exp run --temp evaluate -n {cfg.name}-confirm {sets}"
 
 
 def summary(report: FitReport, cfg: MixSweepConfig) -> str:
