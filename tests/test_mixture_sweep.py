@@ -261,3 +261,28 @@ def test_mix_sweep_settings_are_checked_on_load(tmp_path):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match="target_domain"):
         load_params(tmp_path / "params.yaml")
+
+
+def test_experiments_reads_dvc_exp_show_for_queued_temp_and_failed_runs(monkeypatch):
+    """The shape of `dvc exp show --json --all-commits` (DVC 3): a branch with data is no
+    experiment; a queued one has an executor state; one run with --temp has none."""
+    from lmforge import experiments as exps
+
+    def rev(name, v):
+        return {"rev": "r" + name, "name": name, "data": {
+            "rev": "r" + name, "metrics": {"m.json": {"data": {"v": v}}},
+            "params": {"params.yaml": {"data": {"a": v}}}}}
+
+    shown = [{"rev": "workspace", "name": None, "data": rev("ws", 0)["data"],
+              "experiments": None},
+             {"rev": "abc", "name": "main", "data": rev("main", 1)["data"], "experiments": [
+                 {"revs": [rev("q-00", 2)], "executor": {"state": "success"}, "name": "q-00"},
+                 {"revs": [rev("q-01", 3)], "executor": {"state": "failed"}, "name": "q-01"},
+                 {"revs": [rev("confirm", 4)], "executor": None, "name": "confirm"}]}]
+    monkeypatch.setattr(exps, "dvc", lambda *a, **k: json.dumps(shown))
+    found = exps.experiments()
+    assert sorted(found) == ["confirm", "q-00", "q-01"]
+    assert [found[n]["state"] for n in ("q-00", "q-01", "confirm")] == [
+        "success", "failed", "success"]
+    assert found["confirm"]["metrics"] == {"m.json": {"v": 4}}
+    assert found["q-00"]["params"] == {"params.yaml": {"a": 2}}

@@ -78,11 +78,14 @@ def experiments() -> dict[str, dict[str, Any]]:
     found: dict[str, dict[str, Any]] = {}
 
     # Commits hold "experiments": [{"revs": [{"rev", "name", "data"}], "executor":
-    # {"state"}}]; a commit itself (a branch) has a name and data but no executor.
+    # {"state"} or null}]: null for one run outside the queue (in the workspace or with
+    # --temp), which is finished once listed. A commit (a branch) is no experiment.
     def walk(node: Any, state: str | None) -> None:
         if isinstance(node, dict):
-            if isinstance(node.get("executor"), dict):
-                state = node["executor"].get("state") or state
+            if "revs" in node:
+                executor = node.get("executor")
+                state = (executor.get("state") if isinstance(executor, dict) else None
+                         ) or "success"
             name, data = node.get("name"), node.get("data")
             if state and name and isinstance(data, dict):
                 found.setdefault(name, {"state": state,
