@@ -354,3 +354,20 @@ def test_report_to_dict_is_strict_json():
     mixing = next(f for f in small["laws"] if f["name"] == "mixing_law")
     assert mixing["rank_corr"] is None and "D + 2" in mixing["error"]
     assert small["law"] == "linear"
+
+
+def test_todays_weights_are_kept_when_no_candidate_is_predicted_to_beat_them():
+    """Never a recommendation the law itself predicts worse than the reference."""
+    R, L = proxies(40, seed=8)
+    # Under W, equal weights favour code and math: no web at all is the optimum. The
+    # candidates all hold a lot of web, so none beats it.
+    optimum = {"web": 0.0, "code": 0.5, "math": 0.5}
+    cands = sample_mixtures(2000, DOMAINS, CENTER, 50.0, None, np.random.default_rng(3))
+    assert cands[:, 0].min() > 0.3
+    kept = search(R, L, reference=optimum, cands=cands)
+    assert kept.trusted and kept.recommendation is None
+    assert "keep them" in kept.reason
+    # Against today's CENTER the same candidates do hold better mixtures.
+    moved = search(R, L, reference=CENTER, cands=cands)
+    assert moved.recommendation is not None
+    assert moved.predicted_objective < moved.reference_objective

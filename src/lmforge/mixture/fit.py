@@ -470,6 +470,17 @@ def fit_and_search(R: np.ndarray, L: np.ndarray, domains: list[str], eval_domain
             rec, rec_L, used_mean = mean, mean_L[0], True
         else:
             rec, rec_L = candidates[top[0]], pred[top[0]]
+        if ref_L is not None:
+            # Never recommend what the law predicts worse than today's weights: the mean
+            # of few eligible candidates (a tight target cap) can be; then the single
+            # best, and if even that is no better, keep today's weights.
+            ref_value = float(obj.value(ref_L[None], eval_domains)[0])
+            if used_mean and float(obj.value(rec_L[None], eval_domains)[0]) >= ref_value:
+                rec, rec_L, used_mean = candidates[top[0]], pred[top[0]], False
+            if float(obj.value(rec_L[None], eval_domains)[0]) >= ref_value:
+                reason = (f"no sampled mixture is predicted to beat today's mix.weights "
+                          f"(predicted objective {ref_value:.4f}); keep them")
+                rec = rec_L = None
 
     return FitReport(
         law=best.name, rank_corr=best.rank_corr, min_rank_corr=float(min_rank_corr),

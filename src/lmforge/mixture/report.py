@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from lmforge.config import MixSweepConfig, Params
-from lmforge.errors import InputError
+from lmforge.errors import ConfigError, InputError
 from lmforge.experiments import experiments
 from lmforge.io import write_json, write_text
 from lmforge.mixture.fit import FitReport, Objective, fit_and_search
@@ -109,6 +109,26 @@ def train_chars(params: Params, sizes: DomainSizes) -> float:
     return max(float(params.mix.total or 0), tokens * chars_per_token)
 
 
+def search_candidates(cfg: MixSweepConfig, sizes: DomainSizes, today: np.ndarray,
+                      log: Callable[[str], None]) -> np.ndarray:
+    """The mixtures the fitted law scores: half around the natural shares (where the
+    proxies were), half ten times as concentrated around today's ``mix.weights``: the
+    moderate moves from what runs now that a capped ``target`` objective needs."""
+    bounds = {d: (lo, hi) for d, (lo, hi) in cfg.bounds.items()}
+    rng = np.random.default_rng([cfg.seed, 1 << 30])
+    half = cfg.candidates // 2
+    natural = sample_mixtures(cfg.candidates - half, sizes.domains, sizes.natural,
+                              cfg.concentration, bounds, rng)
+    try:
+        near = sample_mixtures(half, sizes.domains, dict(zip(sizes.domains, today.tolist(),
+                                                             strict=True)),
+                               10 * cfg.concentration, bounds, rng)
+    except ConfigError as e:  # e.g. today's weights outside mix_sweep.bounds
+        log(f"mix fit: no candidates around today's mix.weights ({e}); natural shares only")
+        return natural
+    return np.concatenate([natural, near])
+
+
 def run_fit(params: Params, log: Callable[[str], None] = print) -> FitReport:
     """Fit, search, write the outputs, log them to MLflow; the report."""
     cfg = params.mix_sweep
@@ -116,17 +136,14 @@ def run_fit(params: Params, log: Callable[[str], None] = print) -> FitReport:
     proxies = collect(cfg, sizes.domains)
     log(f"mix fit: {len(proxies.names)} proxies, {len(sizes.domains)} domains, "
         f"objective {cfg.objective}")
-    bounds = {d: (lo, hi) for d, (lo, hi) in cfg.bounds.items()}
-    candidates = sample_mixtures(cfg.candidates, sizes.domains, sizes.natural,
-                                 cfg.concentration, bounds,
-                                 np.random.default_rng([cfg.seed, 1 << 30]))
+    total = sum(params.mix.weights.values())
+    reference = np.array([params.mix.weights.get(d, 0.0) / total for d in sizes.domains])
+    candidates = search_candidates(cfg, sizes, reference, log)
     chars = train_chars(params, sizes)
 
     def feasible(mixtures: np.ndarray) -> np.ndarray:  # what the real run may repeat
         return epoch_feasible(mixtures, sizes.available, chars, params.mix.max_epochs)
 
-    total = sum(params.mix.weights.values())
-    reference = np.array([params.mix.weights.get(d, 0.0) / total for d in sizes.domains])
     report = fit_and_search(proxies.shares, proxies.bpb, sizes.domains, proxies.eval_domains,
                             objective_of(cfg), candidates, feasible, reference, cfg.top_k,
                             cfg.min_rank_corr)
