@@ -81,7 +81,7 @@ class FakeDvc:
         self.queued: dict[str, list[str]] = {}
         self.calls: list[tuple[str, ...]] = []
 
-    def dvc(self, *args: str, capture: bool = True) -> str:
+    def dvc(self, *args: str) -> str:
         self.calls.append(args)
         if args[:2] == ("exp", "remove"):
             del self.states[args[2]]

@@ -18,16 +18,16 @@ from typing import Any
 from lmforge.errors import LmforgeError
 
 
-def dvc(*args: str, capture: bool = True) -> str:
+def dvc(*args: str) -> str:
     """Run ``dvc args``; its stdout, or one-line error with the end of its output."""
     try:
-        proc = subprocess.run(["dvc", *args], capture_output=capture, text=True)
+        proc = subprocess.run(["dvc", *args], capture_output=True, text=True)
     except FileNotFoundError:
         raise LmforgeError("dvc: not found on PATH (pip install lmforge installs it)") from None
     if proc.returncode != 0:
-        tail = ((proc.stderr or "") + (proc.stdout or "")).strip().splitlines()[-3:]
+        tail = (proc.stderr + proc.stdout).strip().splitlines()[-3:]
         raise LmforgeError(f"dvc {' '.join(args[:3])} failed: {' / '.join(tail)}")
-    return proc.stdout or ""
+    return proc.stdout
 
 
 def queue_experiment(name: str, sets: list[str], targets: tuple[str, ...] = ()) -> None:

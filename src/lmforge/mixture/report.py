@@ -32,7 +32,7 @@ from lmforge.mixture.space import epoch_feasible, sample_mixtures
 from lmforge.mixture.sweep import MIX_METRICS, DomainSizes, domain_sizes
 
 EVAL = "metrics/eval.json"
-MIX = "metrics/mix.json"
+MIX = str(MIX_METRICS)  # as dvc exp show names it
 SHARDS_METRICS = Path("metrics/shards.json")
 REPORT_JSON = Path("metrics/mix_fit.json")
 REPORT_MD = Path("metrics/mix_fit.md")
@@ -101,12 +101,9 @@ def train_chars(params: Params, sizes: DomainSizes) -> float:
     tokens *= params.model.seq_len
     try:
         shard_tokens = json.loads(SHARDS_METRICS.read_text(encoding="utf-8"))["train"]["tokens"]
-        mixed = json.loads(MIX_METRICS.read_text(encoding="utf-8"))["domains"]
     except (FileNotFoundError, KeyError) as e:
-        raise InputError(f"{SHARDS_METRICS} / {MIX_METRICS}: run `dvc repro shards` first "
-                         f"({e})") from None
-    chars_per_token = sum(m["train_chars"] for m in mixed.values()) / max(shard_tokens, 1)
-    return max(float(params.mix.total or 0), tokens * chars_per_token)
+        raise InputError(f"{SHARDS_METRICS}: run `dvc repro shards` first ({e})") from None
+    return max(float(params.mix.total or 0), tokens * sizes.written / max(shard_tokens, 1))
 
 
 def search_candidates(cfg: MixSweepConfig, sizes: DomainSizes, today: np.ndarray,
@@ -114,15 +111,14 @@ def search_candidates(cfg: MixSweepConfig, sizes: DomainSizes, today: np.ndarray
     """The mixtures the fitted law scores: half around the natural shares (where the
     proxies were), half ten times as concentrated around today's ``mix.weights``: the
     moderate moves from what runs now that a capped ``target`` objective needs."""
-    bounds = {d: (lo, hi) for d, (lo, hi) in cfg.bounds.items()}
     rng = np.random.default_rng([cfg.seed, 1 << 30])
     half = cfg.candidates // 2
     natural = sample_mixtures(cfg.candidates - half, sizes.domains, sizes.natural,
-                              cfg.concentration, bounds, rng)
+                              cfg.concentration, cfg.bounds, rng)
     try:
         near = sample_mixtures(half, sizes.domains, dict(zip(sizes.domains, today.tolist(),
                                                              strict=True)),
-                               10 * cfg.concentration, bounds, rng)
+                               10 * cfg.concentration, cfg.bounds, rng)
     except ConfigError as e:  # e.g. today's weights outside mix_sweep.bounds
         log(f"mix fit: no candidates around today's mix.weights ({e}); natural shares only")
         return natural

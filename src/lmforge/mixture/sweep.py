@@ -48,6 +48,7 @@ class DomainSizes:
 
     domains: list[str]
     available: np.ndarray  # characters, one entry per domain
+    written: float  # characters the mix stage wrote to train (repeats included)
 
     @property
     def natural(self) -> dict[str, float]:
@@ -71,14 +72,14 @@ def domain_sizes(mix_metrics: Path = MIX_METRICS) -> DomainSizes:
         # text, which mix.json does not hold: count it as unknown (zero), so no mixture
         # giving it weight is feasible rather than an invented size.
         available.append(m["train_chars"] / m["epochs"] if m.get("epochs") else 0.0)
-    return DomainSizes(names, np.array(available, dtype=np.float64))
+    written = float(sum(domains[d]["train_chars"] for d in names))
+    return DomainSizes(names, np.array(available, dtype=np.float64), written)
 
 
 def proxy_mixtures(cfg: MixSweepConfig, sizes: DomainSizes) -> np.ndarray:
     """``cfg.proxies`` mixtures (rows over ``sizes.domains``); proxy i's comes from its own
     seeded generator, so a longer sweep (more proxies) keeps the first ones."""
-    bounds = {d: (lo, hi) for d, (lo, hi) in cfg.bounds.items()}
-    rows = [sample_mixtures(1, sizes.domains, sizes.natural, cfg.concentration, bounds,
+    rows = [sample_mixtures(1, sizes.domains, sizes.natural, cfg.concentration, cfg.bounds,
                             np.random.default_rng([cfg.seed, i]))[0]
             for i in range(cfg.proxies)]
     return np.stack(rows)
@@ -90,8 +91,7 @@ def proxy_name(cfg: MixSweepConfig, i: int) -> str:
 
 def proxy_sets(cfg: MixSweepConfig, tokenizer: Path) -> list[str]:
     """The ``-S`` overrides every proxy shares: model, budget, no extras, frozen tokenizer."""
-    sets = [f"model.{k}={v}" for k, v in cfg.proxy_model.items()]
-    sets += [f"train.max_steps={cfg.max_steps}", f"train.micro_batch_size={cfg.micro_batch_size}",
+    return [f"model.{k}={v}" for k, v in cfg.proxy_model.items()] + [f"train.max_steps={cfg.max_steps}", f"train.micro_batch_size={cfg.micro_batch_size}",
              "train.grad_accum_steps=1", "train.nproc=1", "train.probe_micro_batch=false",
              # Compiling costs more than a proxy's whole run; cadences change no result.
              "train.compile=false", "train.eval_every=0", "train.sample_every=0",
@@ -101,7 +101,6 @@ def proxy_sets(cfg: MixSweepConfig, tokenizer: Path) -> list[str]:
              # the shares each proxy achieved, so a shortfall costs nothing there.
              "mix.max_shortfall=1.0",
              f"tokenizer.init_from={tokenizer.resolve()}"]
-    return sets
 
 
 def weight_sets(domains: list[str], mixture: np.ndarray) -> list[str]:
