@@ -127,7 +127,7 @@ def test_a_rerun_queues_only_the_proxies_not_done_and_retries_the_failed(workspa
     assert sorted(weights) == DOMAINS and sum(weights.values()) == pytest.approx(1, abs=1e-5)
     expected = sweep.proxy_mixtures(params(proxies=5).mix_sweep, sweep.domain_sizes())[1]
     assert np.allclose([weights[d] for d in DOMAINS], expected, atol=1e-6)
-    frozen = workspace / "models" / "mix_sweep" / "tokenizer.model"
+    frozen = workspace / "models" / "mix_sweep" / "mixsweep" / "tokenizer.model"
     assert f"tokenizer.init_from={frozen}" in sets
     assert frozen.read_bytes() == b"sp-model"
     assert {"model.n_layer=2", "train.max_steps=150", "train.compile=false",
@@ -140,8 +140,17 @@ def test_the_frozen_tokenizer_outlives_a_new_workspace_tokenizer(workspace, monk
     (workspace / "models" / "tokenizer" / "tokenizer.model").write_bytes(b"retrained")
     fake = FakeDvc({})
     fake.install(monkeypatch)
-    sweep.run_sweep(params(proxies=2), log=lambda _: None)
-    assert (workspace / "models" / "mix_sweep" / "tokenizer.model").read_bytes() == b"sp-model"
+    lines: list[str] = []
+    sweep.run_sweep(params(proxies=2), log=lines.append)
+    frozen = workspace / "models" / "mix_sweep" / "mixsweep" / "tokenizer.model"
+    assert frozen.read_bytes() == b"sp-model"
+    assert all(f"tokenizer.init_from={frozen}" in sets for sets in fake.queued.values())
+    assert any("changed since sweep mixsweep froze" in line for line in lines), lines
+    # A sweep of another name freezes the workspace's tokenizer as it is now.
+    FakeDvc({}).install(monkeypatch)
+    sweep.run_sweep(params(proxies=1, name="sweep2"), log=lambda _: None)
+    assert (workspace / "models" / "mix_sweep" / "sweep2" / "tokenizer.model"
+            ).read_bytes() == b"retrained"
 
 
 def test_stale_data_stages_stop_the_sweep_before_queueing(workspace, monkeypatch):

@@ -368,7 +368,7 @@ def test_mix_sweep_queues_proxies_that_rerun_only_mix_to_evaluate_and_fits(pipel
     shown = json.loads(run(["dvc", "exp", "show", "--json"], root, env))
     found = {r["name"]: r for c in shown for e in (c.get("experiments") or [])
              for r in e["revs"]}
-    frozen = str(root / "models" / "mix_sweep" / "tokenizer.model")
+    frozen = str(root / "models" / "mix_sweep" / "mixsweep" / "tokenizer.model")
     sweep_weights = []
     for name in names:
         assert name in found, sorted(found)

@@ -8,7 +8,7 @@ params.yaml), so only mix -> tokenizer -> shards -> train -> evaluate run; the d
 stages before ``mix`` come from the cache.
 
 The tokenizer is frozen for the sweep: the workspace's ``models/tokenizer/tokenizer.model``
-is copied to ``models/mix_sweep/tokenizer.model`` once and every proxy reuses it
+is copied to ``models/mix_sweep/<name>/tokenizer.model`` once and every proxy reuses it
 (``tokenizer.init_from``) instead of training one on its own mixture. The proxies then
 see the same token ids, their val sets are the same documents (mix splits val before it
 weights), and bits-per-byte compares them whatever the tokenizer.
@@ -37,7 +37,7 @@ from lmforge.mixture.space import sample_mixtures
 
 MIX_METRICS = Path("metrics/mix.json")
 TOKENIZER = Path("models/tokenizer/tokenizer.model")
-FROZEN_TOKENIZER = Path("models/mix_sweep/tokenizer.model")
+SWEEPS = Path("models/mix_sweep")  # <name>/tokenizer.model: a sweep's frozen tokenizer
 # Stages that must be up to date before queueing, or every proxy would rerun them.
 UPSTREAM = ("ingest", "filter", "dedup")
 
@@ -107,15 +107,20 @@ def weight_sets(domains: list[str], mixture: np.ndarray) -> list[str]:
     return [f"mix.weights.{d}={w:.6f}" for d, w in zip(domains, mixture, strict=True)]
 
 
-def freeze_tokenizer(log: Callable[[str], None]) -> Path:
-    """The sweep's tokenizer: the workspace's, copied once and kept for later reruns."""
-    if not FROZEN_TOKENIZER.is_file():
-        if not TOKENIZER.is_file():
-            raise InputError(f"{TOKENIZER}: missing; run `dvc repro tokenizer` first")
-        FROZEN_TOKENIZER.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(TOKENIZER, FROZEN_TOKENIZER)
-        log(f"mix sweep: tokenizer frozen for the sweep as {FROZEN_TOKENIZER}")
-    return FROZEN_TOKENIZER
+def freeze_tokenizer(name: str, log: Callable[[str], None]) -> Path:
+    """Sweep ``name``'s tokenizer: the workspace's, copied at its first run and kept, so
+    proxies queued by a later rerun see the same ids as the first ones."""
+    frozen = SWEEPS / name / "tokenizer.model"
+    if not TOKENIZER.is_file():
+        raise InputError(f"{TOKENIZER}: missing; run `dvc repro tokenizer` first")
+    if not frozen.is_file():
+        frozen.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(TOKENIZER, frozen)
+        log(f"mix sweep: tokenizer frozen for the sweep as {frozen}")
+    elif frozen.read_bytes() != TOKENIZER.read_bytes():
+        log(f"mix sweep: {TOKENIZER} changed since sweep {name} froze {frozen}; its proxies "
+            "keep the frozen one (set mix_sweep.name to start a sweep on the new one)")
+    return frozen
 
 
 def check_upstream() -> None:
@@ -138,7 +143,7 @@ def run_sweep(params: Params, jobs: int | None = None, dry_run: bool = False,
             log(f"{name}: " + " ".join(weight_sets(sizes.domains, mixture)))
         return names
     check_upstream()
-    shared = proxy_sets(cfg, freeze_tokenizer(log))
+    shared = proxy_sets(cfg, freeze_tokenizer(cfg.name, log))
     done = {n: e["state"] for n, e in experiments().items() if n in names}
     queued = 0
     for name, mixture in zip(names, mixtures, strict=True):
