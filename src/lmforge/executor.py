@@ -19,6 +19,7 @@ skips it and reuses its result (see :func:`lmforge.io.resumable_dir`).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import pickle
@@ -39,6 +40,14 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 ENV_KIND = "LMFORGE_EXECUTOR"
+
+
+
+def output_settings(cfg: Any) -> Any:
+    """A stage's settings with ``num_workers`` zeroed: what its tasks and its resume
+    fingerprint depend on. The worker count never changes the bytes, so a rerun with
+    fewer workers (after running out of memory, say) resumes instead of starting over."""
+    return dataclasses.replace(cfg, num_workers=0)
 
 
 class ExecutorError(LmforgeError):

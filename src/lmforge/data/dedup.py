@@ -58,7 +58,7 @@ from lmforge.data import minhash
 from lmforge.data.counts import Counts
 from lmforge.data.quality import quality_score
 from lmforge.data.records import list_parts, read_table, write_table
-from lmforge.executor import Executor, LocalExecutor, PartLog
+from lmforge.executor import Executor, LocalExecutor, PartLog, output_settings
 from lmforge.io import atomic_path, files_fingerprint, resumable_dir
 
 EXACT_DUP = "exact_dup"
@@ -505,6 +505,7 @@ def run_dedup(cfg: DedupConfig, in_dir: str | Path, out_dir: str | Path,
     Tasks run on ``executor`` (default: the local pool); a rerun after a kill skips
     the tasks already done."""
     executor = executor or LocalExecutor(cfg.num_workers)
+    cfg = output_settings(cfg)
     parts = list_parts(in_dir)
     with resumable_dir(out_dir, files_fingerprint(parts, "dedup", cfg)) as tmp:
         done = tmp / ".done"

@@ -22,7 +22,7 @@ from lmforge.data.counts import Counts
 from lmforge.data.filter_report import add_example, merge_examples
 from lmforge.data.filters import DomainRules, domain_rules
 from lmforge.data.records import list_parts, read_table, write_table
-from lmforge.executor import Executor, LocalExecutor, PartLog
+from lmforge.executor import Executor, LocalExecutor, PartLog, output_settings
 from lmforge.io import files_fingerprint, resumable_dir
 
 REJECTS_SCHEMA = pa.schema(
@@ -126,6 +126,7 @@ def run_filter(cfg: FilterConfig, in_dir: str | Path, out_dir: str | Path,
     Parts run on ``executor`` (default: the local pool); a rerun after a kill skips
     the parts already written."""
     executor = executor or LocalExecutor(cfg.num_workers)
+    cfg = output_settings(cfg)
     parts = list_parts(in_dir)
     counts = Counts()
     with resumable_dir(out_dir, files_fingerprint(parts, "filter", cfg)) as tmp:

@@ -23,7 +23,7 @@ from lmforge.data.counts import Counts
 from lmforge.data.readers import Doc
 from lmforge.data.records import COMPRESSION, SCHEMA, PartWriter, iter_batches, write_table
 from lmforge.errors import InputError
-from lmforge.executor import Executor, LocalExecutor, PartLog
+from lmforge.executor import Executor, LocalExecutor, PartLog, output_settings
 from lmforge.io import atomic_path, files_fingerprint, resumable_dir
 
 REJECTS_SCHEMA = pa.schema(
@@ -133,6 +133,7 @@ def run_ingest(cfg: IngestConfig, out_dir: str | Path,
     rejected-by-reason, and file counts.
     """
     executor = executor or LocalExecutor(cfg.num_workers)
+    cfg = output_settings(cfg)
     files = resolve_files(cfg.sources)
     counts = Counts()
     rejects: list[tuple[str, int, str, str, str]] = []

@@ -28,7 +28,7 @@ from lmforge.config import MixConfig
 from lmforge.data.counts import Counts
 from lmforge.data.records import list_parts, part_name, read_table, repeat_id, write_table
 from lmforge.errors import InputError
-from lmforge.executor import Executor, LocalExecutor, PartLog
+from lmforge.executor import Executor, LocalExecutor, PartLog, output_settings
 from lmforge.io import files_fingerprint, resumable_dir
 
 DOWNSAMPLED = "downsampled"
@@ -223,6 +223,7 @@ def run_mix(cfg: MixConfig, in_dir: str | Path, out_dir: str | Path,
     skips what was done."""
     in_dir = Path(in_dir)
     executor = executor or LocalExecutor(cfg.num_workers)
+    cfg = output_settings(cfg)
     parts = list_parts(in_dir)
     inputs = [*parts, in_dir / "clusters.parquet"] if (in_dir / "clusters.parquet").is_file() else parts
     with resumable_dir(out_dir, files_fingerprint(inputs, "mix", cfg)) as tmp:
