@@ -260,14 +260,6 @@ class BandTask:
     out: str  # .npy of int64 [k, 2] edges
 
 
-@dataclass(frozen=True)
-class BandResult:
-    buckets: int  # buckets of two or more representatives
-    pairs: int  # pairs in those buckets, each checked
-    confirmed: int  # pairs at or above the threshold
-    edges: int  # edges written (a spanning forest of the confirmed pairs)
-
-
 def _pack(block: np.ndarray) -> list[np.ndarray]:
     """The rows of uint32 [r, m] as ceil(r/2) uint64 keys: equal columns, equal keys."""
     wide = block.astype(np.uint64)
@@ -317,13 +309,13 @@ def _band_column(task: BandTask, sigs: Signatures) -> tuple[np.ndarray, list[np.
     return np.concatenate(docs), [np.concatenate(c) for c in zip(*keys, strict=True)]
 
 
-def band_edges(task: BandTask) -> BandResult:
+def band_edges(task: BandTask) -> int:
     """Confirmed near-duplicate pairs among the representatives sharing a bucket of one
     band (and shard), written as a spanning forest (worker)."""
     sigs = Signatures(list(task.stems), np.asarray(task.offsets))
     docs, keys = _band_column(task, sigs)
     us, vs = [], []
-    held = buckets = pairs = confirmed = 0
+    held = buckets = 0
     cap = EDGE_CAP
     if len(docs) > 1:
         order = np.lexsort(keys[::-1])  # stable: a bucket lists its docs in order
@@ -366,8 +358,6 @@ def band_edges(task: BandTask) -> BandResult:
                 first = np.repeat(pos[m0:m1], later[m0:m1])
                 second = _ranges(pos[m0:m1] + 1, later[m0:m1])
                 ok = minhash.jaccard(full[first], full[second]) >= task.threshold
-                pairs += len(first)
-                confirmed += int(ok.sum())
                 us.append(run[first[ok]])
                 vs.append(run[second[ok]])
                 held += int(ok.sum())
@@ -380,7 +370,7 @@ def band_edges(task: BandTask) -> BandResult:
     u, v = (forest(np.concatenate(us), np.concatenate(vs)) if held
             else (np.zeros(0, np.int64), np.zeros(0, np.int64)))
     _save(task.out, np.save, np.stack([u, v], axis=1))
-    return BandResult(buckets, pairs, confirmed, len(u))
+    return len(u)  # edges written: a spanning forest of the confirmed pairs
 
 
 # --- 5. write (task per part) --------------------------------------------------------
