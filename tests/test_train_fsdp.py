@@ -311,3 +311,21 @@ def test_fsdp_settings_it_cannot_honour_are_one_line_errors(tmp_path, section):
     params[section].update(probe_micro_batch=False, lora={"rank": 4, "targets": ["attn"]})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
     assert getattr(load_params(tmp_path / "params.yaml"), section).strategy == "fsdp"
+
+
+def test_rank_batches_stream_each_ranks_share_and_pad_a_sharded_rank():
+    from lmforge.train.distributed import DistEnv, rank_batches
+
+    def env(rank):
+        return DistEnv(rank, 2, rank, torch.device("cpu"))
+
+    def five():  # a generator: read once, never held whole
+        yield from range(5)
+
+    assert list(rank_batches(five(), env(0), lockstep=True)) == [(0, True), (2, True),
+                                                                  (4, True)]
+    assert list(rank_batches(five(), env(1), lockstep=False)) == [(1, True), (3, True)]
+    # Sharded: rank 1 runs one more forward, on the first batch, uncounted.
+    assert list(rank_batches(five(), env(1), lockstep=True)) == [(1, True), (3, True),
+                                                                  (0, False)]
+    assert list(rank_batches(iter([]), env(1), lockstep=True)) == []

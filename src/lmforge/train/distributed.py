@@ -5,13 +5,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from lmforge.errors import ConfigError
 from lmforge.parallel import resolve_workers
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -92,3 +96,23 @@ def all_gather_objects(obj: object, env: DistEnv) -> list[object]:
     out: list[object] = [None] * env.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def rank_batches(batches: Iterable[T], env: DistEnv, lockstep: bool
+                 ) -> Iterator[tuple[T, bool]]:
+    """This rank's share of ``batches`` (every world_size-th), streamed, as (batch, True).
+
+    With ``lockstep`` (a sharded model, whose forward is a collective) a rank short of a
+    batch then gets the first batch again as (batch, False), uncounted, until it has run
+    as many forwards as the busiest rank.
+    """
+    first, total, mine = None, 0, 0
+    for i, batch in enumerate(batches):
+        first = batch if first is None else first
+        total += 1
+        if i % env.world_size == env.rank:
+            mine += 1
+            yield batch, True
+    if lockstep and first is not None:
+        for _ in range(-(-total // env.world_size) - mine):
+            yield first, False

@@ -33,7 +33,7 @@ from lmforge.shards.loader import mixture_mean
 from lmforge.train import checkpoint as ckpt
 from lmforge.train import runs
 from lmforge.train.compiler import resolve_compile
-from lmforge.train.distributed import DistEnv, all_gather_objects
+from lmforge.train.distributed import DistEnv, all_gather_objects, rank_batches
 from lmforge.train.fsdp import (
     AsyncShardSaver,
     build_sharded,
@@ -643,15 +643,10 @@ def evaluate_loss(model: Llama, data: TrainData, params: Params, precision: Prec
     names = list(data.val.domain_names)
     sums = torch.zeros(2, len(names), dtype=torch.float64, device=env.device)
     doc_info = {"return_doc_info": True} if params.model.doc_mask else {}
-    batches = list(data.eval_batches(data.val, params.model.seq_len,
-                                     params.train.micro_batch_size,
-                                     max_batches=params.train.eval_batches, **doc_info))
-    mine = batches[env.rank::env.world_size]  # ranks split the batches, then sum
-    # A sharded model's forward is a collective: a rank short of a batch runs one more,
-    # uncounted, so every rank runs as many forwards as the busiest.
-    rounds = -(-len(batches) // env.world_size) if is_sharded(model) and batches else len(mine)
-    for k in range(rounds):
-        batch = mine[k] if k < len(mine) else batches[0]
+    batches = data.eval_batches(data.val, params.model.seq_len, params.train.micro_batch_size,
+                                max_batches=params.train.eval_batches, **doc_info)
+    # Ranks split the batches, then sum; a sharded model's ranks run in step.
+    for batch, counted in rank_batches(batches, env, lockstep=is_sharded(model)):
         inputs = torch.as_tensor(batch["input"]).to(env.device)
         targets = torch.as_tensor(batch["target"]).to(env.device)
         domains = torch.as_tensor(batch["domain"]).to(env.device).flatten()
@@ -662,7 +657,7 @@ def evaluate_loss(model: Llama, data: TrainData, params: Params, precision: Prec
         # Plain cross-entropy, so val loss stays comparable when label smoothing is on.
         nats = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                ignore_index=IGNORE_INDEX, reduction="none")
-        keep = (targets.flatten() != IGNORE_INDEX) & (k < len(mine))
+        keep = (targets.flatten() != IGNORE_INDEX) & counted
         sums[0].index_add_(0, domains[keep], nats[keep].double())
         sums[1].index_add_(0, domains[keep], torch.ones_like(nats[keep], dtype=torch.float64))
     if env.distributed:

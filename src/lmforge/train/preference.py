@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from lmforge.config import Params
 from lmforge.model.llama import Llama
 from lmforge.model.loss import IGNORE_INDEX
-from lmforge.train.distributed import DistEnv
+from lmforge.train.distributed import DistEnv, rank_batches
 from lmforge.train.fsdp import is_sharded
 from lmforge.train.precision import Precision
 
@@ -230,22 +230,18 @@ class DpoObjective:
         response token, over ``eval_batches`` batches of val rows (all with 0)."""
         model.eval()
         sums = torch.zeros(len(self.stats) + 3, dtype=torch.float64, device=env.device)
-        batches = list(data.eval_batches(data.val, params.model.seq_len,
-                                         params.train.micro_batch_size,
-                                         max_batches=params.train.eval_batches,
-                                         return_doc_info=True))
-        mine = batches[env.rank::env.world_size]  # ranks split the batches, then sum
-        # Sharded forwards are collectives: a rank short of a batch runs one uncounted.
+        batches = data.eval_batches(data.val, params.model.seq_len,
+                                    params.train.micro_batch_size,
+                                    max_batches=params.train.eval_batches, return_doc_info=True)
+        # Ranks split the batches, then sum; sharded models' ranks run in step.
         lockstep = self.lockstep or is_sharded(model)
-        rounds = -(-len(batches) // env.world_size) if lockstep and batches else len(mine)
-        for k in range(rounds):
-            batch = mine[k] if k < len(mine) else batches[0]
+        for batch, counted in rank_batches(batches, env, lockstep):
             inputs, targets = batch["input"].to(env.device), batch["target"].to(env.device)
             positions, docs = batch["positions"].to(env.device), batch["doc"].to(env.device)
             with precision.autocast():
                 logits = model(inputs, positions=positions)
                 ref_logits = self.reference(inputs, positions=positions)
-            if k >= len(mine):
+            if not counted:
                 continue
             ref = self._reference("val", inputs, targets, positions, docs, ref_logits)
             losses, stats = self.pair_figures(logits, targets, docs, ref)
