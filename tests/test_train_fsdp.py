@@ -329,3 +329,28 @@ def test_rank_batches_stream_each_ranks_share_and_pad_a_sharded_rank():
     assert list(rank_batches(five(), env(1), lockstep=True)) == [(1, True), (3, True),
                                                                   (0, False)]
     assert list(rank_batches(iter([]), env(1), lockstep=True)) == []
+
+
+def test_a_frozen_model_from_weights_is_built_without_touching_the_generator(tmp_path):
+    """keep_rng=False (DPO's reference): the file's weights, and no random draws."""
+    from lmforge.config import ModelConfig
+    from lmforge.model.llama import Llama
+    from lmforge.model.saved import WEIGHTS, save_model
+    from lmforge.train.distributed import DistEnv
+    from lmforge.train.fsdp import build_sharded, ensure_process_group, full_state
+
+    env = DistEnv(0, 1, 0, torch.device("cpu"))
+    ensure_process_group(env)
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, seq_len=32)
+    torch.manual_seed(4)
+    base = Llama(cfg, 300)
+    save_model(base, tmp_path / "base")
+    torch.manual_seed(8)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(8)
+    model = build_sharded(cfg, 300, env, bf16=False, weights=tmp_path / "base" / WEIGHTS,
+                          keep_rng=False)
+    assert torch.equal(torch.rand(3), expected_draw)  # the generator did not move
+    state = full_state(model)
+    for name, value in base.state_dict().items():
+        assert torch.equal(state[name], value), name

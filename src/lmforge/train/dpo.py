@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from lmforge.config import Params
 from lmforge.errors import InputError
 from lmforge.io import write_json, write_text
@@ -94,11 +92,10 @@ def make_objective(params: Params, run_params: Params, data: TrainData, env: Any
     bf16 = resolve_precision(params.dpo.precision, env.device).name == "bf16"
     if params.dpo.strategy == "fsdp" and source.is_dir():
         # Built on meta and filled with this rank's rows of the weights file, as the
-        # policy is; its init draws are thrown away with a forked generator.
+        # policy is, without the init draws that keep the policy's generator in step.
         ensure_process_group(env)
-        with torch.random.fork_rng(devices=[]):
-            reference = build_sharded(run_params.model, int(data.train.vocab_size), env, bf16,
-                                      weights=source / WEIGHTS)
+        reference = build_sharded(run_params.model, int(data.train.vocab_size), env, bf16,
+                                  weights=source / WEIGHTS, keep_rng=False)
         reference.requires_grad_(False).eval()
     else:
         reference = extend_context(load_reference(params.dpo.init_from, env.device),

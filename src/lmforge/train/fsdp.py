@@ -67,7 +67,7 @@ def shard_model(model: Llama, env: DistEnv, bf16: bool, compile_blocks: bool = F
 
 def build_sharded(cfg: ModelConfig, vocab_size: int, env: DistEnv, bf16: bool,
                   compile_blocks: bool = False, weights: Path | None = None,
-                  lora: LoraConfig | None = None) -> Llama:
+                  lora: LoraConfig | None = None, keep_rng: bool = True) -> Llama:
     """The model as the eager path makes it under the current seed (``Llama(cfg,
     vocab_size)``, then ``weights`` copied in, then ``lora`` adapters applied), but built
     on the meta device, sharded, and filled shard by shard: no rank ever holds more than
@@ -79,11 +79,14 @@ def build_sharded(cfg: ModelConfig, vocab_size: int, env: DistEnv, bf16: bool,
     as ``reset_parameters`` draws it and this rank keeps its dim-0 chunk, as FSDP2
     shards it (``torch.chunk``). With ``weights`` (a safetensors file) the draws are
     still made, so the adapters' draws that follow are the eager path's, but the chunk
-    kept is read from the file: only this rank's rows are read.
+    kept is read from the file: only this rank's rows are read. ``keep_rng=False`` (a
+    frozen model from ``weights``, such as DPO's reference) skips those draws: nothing
+    random follows, and on a large model they are most of the build's time.
     """
+    replay = keep_rng or weights is None
     with torch.device("meta"):
         model = Llama(cfg, vocab_size)
-    for module in model.modules():  # registration order = construction order
+    for module in model.modules() if replay else ():  # registration = construction order
         own = list(module.parameters(recurse=False))
         if module is not model and own and hasattr(module, "reset_parameters"):
             scratch = copy.deepcopy(module).to_empty(device="cpu")
@@ -100,8 +103,9 @@ def build_sharded(cfg: ModelConfig, vocab_size: int, env: DistEnv, bf16: bool,
             if name.endswith((".lora_a", ".lora_b")):
                 continue
             plain = name.replace(".base.", ".")  # a wrapped layer's weight: its file name
-            full = torch.empty(p.shape)
-            init_parameter(plain, full, cfg.n_layer)
+            if replay:
+                full = torch.empty(p.shape)
+                init_parameter(plain, full, cfg.n_layer)
             if source is None:
                 _fill_chunk(p, env, lambda lo, hi, full=full: full[lo:hi])
             else:
