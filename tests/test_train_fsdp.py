@@ -27,8 +27,9 @@ pytestmark = pytest.mark.slow
 def fsdp_repo(root: Path, strategy: str, **train: object) -> Path:
     stage_repo(root)
     params = yaml.safe_load((root / "params.yaml").read_text(encoding="utf-8"))
-    params["train"].update(nproc=2, strategy=strategy, micro_batch_size=4, max_steps=10,
-                           log_every=1, eval_every=5, compile=False, num_threads=1, **train)
+    params["train"].update({"nproc": 2, "strategy": strategy, "micro_batch_size": 4,
+                            "max_steps": 10, "log_every": 1, "eval_every": 5, "compile": False,
+                            "num_threads": 1, **train})
     (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
     return root
 
@@ -354,3 +355,73 @@ def test_a_frozen_model_from_weights_is_built_without_touching_the_generator(tmp
     state = full_state(model)
     for name, value in base.state_dict().items():
         assert torch.equal(state[name], value), name
+
+
+# A stage run that goes wrong after its checkpoint at step 2: every optimizer step from
+# the third reports a NaN loss, or the third read of training data fails.
+_FAULTY = textwrap.dedent("""
+    import os
+    from lmforge.model import llama
+    from lmforge.shards import loader
+    from lmforge.stage import run_stage
+    from stages.train import main
+    calls = {"n": 0}
+    if os.environ["FAULT"] == "nan":
+        _loss = llama.linear_cross_entropy
+        def loss(*args, **kwargs):
+            calls["n"] += 1
+            value = _loss(*args, **kwargs)
+            return value * float("nan") if calls["n"] > 2 else value
+        llama.linear_cross_entropy = loss
+    else:
+        _next = loader.WindowLoader.next_batch
+        def next_batch(self):
+            calls["n"] += 1
+            if calls["n"] > 2:
+                raise OSError("read failed: a shard on a lost mount")
+            return _next(self)
+        loader.WindowLoader.next_batch = next_batch
+    run_stage(main)
+""")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("fault", ["nan", "loader"])
+def test_an_fsdp_run_stopped_by_an_error_keeps_its_last_checkpoint(tmp_path, world, fault):
+    """The checkpoint still being written when the run stops is committed: the error
+    names a file that exists, and the rerun resumes from it."""
+    root = fsdp_repo(tmp_path / "run", "fsdp", ckpt_every=2, max_steps=6, eval_every=0,
+                     max_bad_steps=2, nproc=world)
+    (root / "faulty.py").write_text(_FAULTY, encoding="utf-8")
+    mlflow_db = tmp_path / "mlflow.db"
+    if world == 1:
+        env = dict(os.environ, PYTHONPATH=str(REPO), DVC_ROOT=str(root), FAULT=fault,
+                   MLFLOW_TRACKING_URI=f"sqlite:///{mlflow_db}")
+        proc = subprocess.run([sys.executable, "faulty.py"], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=300)
+        codes, outs = [proc.returncode], [proc.stdout + proc.stderr]
+    else:
+        os.environ["FAULT"] = fault  # start_ranks passes the environment on
+        try:
+            procs = start_ranks(root, ["faulty.py"], mlflow_db)
+        finally:
+            del os.environ["FAULT"]
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+        codes = [p.returncode for p in procs]
+    assert all(code != 0 for code in codes), outs
+    run_dir = next((root / "models" / "checkpoints").glob("*/run.json")).parent
+    assert (run_dir / "step-000002.pt").is_file() and (run_dir / "step-000002.dcp").is_dir()
+    assert not list(run_dir.glob(".*.tmp")), sorted(p.name for p in run_dir.iterdir())
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["last_step"] == 2 and record["status"] == "failed"
+    if fault == "nan":
+        assert f"Last good checkpoint: {run_dir / 'step-000002.pt'}." in outs[0], outs[0]
+    else:
+        assert "a shard on a lost mount" in outs[0], outs[0]
+
+    again = (wait(start_ranks(root, ["-m", "stages.train"], mlflow_db)) if world == 2 else
+             [subprocess.run([sys.executable, "-m", "stages.train"], cwd=root, check=True,
+                             env=dict(env, FAULT=""), capture_output=True, text=True,
+                             timeout=300).stdout])
+    assert f"resuming from {run_dir / 'step-000002.pt'} at step 2/6" in again[0], again[0]
+    assert json.loads((root / "metrics" / "train.json").read_text())["steps"] == 6

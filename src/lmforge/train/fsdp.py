@@ -189,9 +189,10 @@ class AsyncShardSaver:
 
     At a checkpoint step the state is staged (copied off the live tensors) and training
     goes on while a thread writes it; the checkpoint is committed (renamed into place,
-    then ``commit`` writes its ``.pt``) at the next checkpoint or at :meth:`finish`. A
-    kill before the commit leaves only a hidden temporary: the run resumes from the
-    previous checkpoint. DCP's own collectives run on a separate gloo group, so they
+    then ``commit`` writes its ``.pt``) at the next checkpoint or at :meth:`finish`, which
+    the loop calls at the last step and on every way out of a run that stopped early (an
+    error, Ctrl-C). Only a kill before the commit leaves just a hidden temporary: the run
+    then resumes from the previous checkpoint. DCP's own collectives run on a separate gloo group, so they
     never interleave with the training step's.
     """
 
@@ -212,21 +213,31 @@ class AsyncShardSaver:
                                 checkpoint_id=str(tmp), process_group=self.group)
         self.pending = (future, tmp, path, commit)
 
-    def finish(self) -> None:
-        """Wait for the checkpoint being written and commit it (every rank)."""
+    def finish(self, collective: bool = True) -> None:
+        """Wait for the checkpoint being written and commit it.
+
+        ``collective`` (the usual way): every rank calls it, and barriers keep every rank
+        from going on before rank 0 has committed. A run stopping on an error calls it
+        with ``collective=False``: there a rank cannot count on the others reaching a
+        barrier (one rank's data read may have failed alone), and need not, since DCP
+        gathers every rank's write result before rank 0's save completes: once it has,
+        every shard and the metadata are on disk, and rank 0 commits alone.
+        """
         if self.pending is None:
             return
         future, tmp, path, commit = self.pending
         self.pending = None
         result = getattr(future, "upload_completion", future)  # AsyncSaveResponse or Future
         result.result()
-        dist.barrier()
+        if collective:
+            dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(path, ignore_errors=True)
             tmp.replace(path)
             if commit is not None:
                 commit()
-        dist.barrier()
+        if collective:
+            dist.barrier()
 
 
 def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

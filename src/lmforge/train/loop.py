@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch._dynamo.exc import TorchDynamoException
 from torch.nn.parallel import DistributedDataParallel
 
-from lmforge.config import Params
+from lmforge.config import Params, section_name
 from lmforge.errors import InputError, LmforgeError
 from lmforge.model.generate import generate
 from lmforge.model.llama import Llama
@@ -170,11 +170,12 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     objective = data.objective or NextToken()
     loader = objective.make_loader(data, mcfg.seq_len, micro_batch, cfg.seed, env,
                                    mcfg.doc_mask)
+    key = f"{section_name(cfg)}.init_from"  # train, sft or dpo: what messages name
     if cfg.init_from:  # runs prune their own old checkpoints (keep_last)
-        ensure_outside(cfg.init_from, checkpoint_dir, "where runs prune their checkpoints")
+        ensure_outside(cfg.init_from, checkpoint_dir, "where runs prune their checkpoints", key)
     identity = ckpt.run_identity(mcfg, cfg, env.world_size, data.train.manifest,
                                  data.val.manifest, tokenizer_sha256,
-                                 weights_sha256(cfg.init_from) if cfg.init_from else None,
+                                 weights_sha256(cfg.init_from, key) if cfg.init_from else None,
                                  replay_manifest=(data.replay.manifest if data.replay is not None
                                                   and data.replay_share > 0 else None),
                                  stage=stage)
@@ -199,17 +200,19 @@ def build_model(params: Params, vocab: int, env: DistEnv, bf16: bool, compile_bl
     """
     cfg, mcfg = params.train, params.model
     source = Path(cfg.init_from) if cfg.init_from else None
+    key = f"{section_name(cfg)}.init_from"
     if cfg.strategy == "fsdp" and (source is None or source.is_dir()):
         ensure_process_group(env)  # FSDP and DCP need one, even in a single process
-        note = (check_model_dir(mcfg, vocab, source, tokenizer_sha256) if source is not None
-                else None)
+        note = (check_model_dir(mcfg, vocab, source, tokenizer_sha256, key)
+                if source is not None else None)
         model = build_sharded(mcfg, vocab, env, bf16, compile_blocks,
                               weights=source / WEIGHTS if source is not None else None,
                               lora=cfg.lora)
     else:
         model = Llama(mcfg, vocab).to(env.device)
         # Starting weights before adapters wrap the layers (a resumed run overwrites both).
-        note = warm_start(model, source, tokenizer_sha256) if source is not None else None
+        note = (warm_start(model, source, tokenizer_sha256, key) if source is not None
+                else None)
         if cfg.lora is not None:
             lora = cfg.lora
             apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets)
@@ -307,7 +310,7 @@ def _train_run(params: Params, data: TrainData, objective: Any, model: Llama,
     t0 = time.perf_counter()
     interval = _Interval(start_step=step, loss_sum=progress.loss_sum, loss_n=progress.loss_n,
                          stats=dict(progress.stats))
-    bad_streak, overflow_streak, last_good_ckpt = 0, 0, progress.resumed_from
+    bad_streak, overflow_streak = 0, 0
     status = "FAILED"
     try:
         while step < cfg.max_steps:
@@ -350,10 +353,12 @@ def _train_run(params: Params, data: TrainData, objective: Any, model: Llama,
                 log(f"train: step {step}: non-finite loss {loss_val} / grad_norm {grad_norm}; "
                     f"update skipped ({bad_streak} in a row)")
                 if bad_streak >= cfg.max_bad_steps:
+                    if saver is not None:  # every rank is here (the loss is all-reduced)
+                        saver.finish()
                     raise LmforgeError(
                         f"train: {bad_streak} consecutive steps with a non-finite loss or "
                         f"gradient (last at step {step}); stopped. Last good checkpoint: "
-                        f"{last_good_ckpt or 'none'}. Lower train.max_lr, raise "
+                        f"{_newest_checkpoint(checkpoint_dir)}. Lower train.max_lr, raise "
                         "train.warmup, or check the data")
 
             if step % cfg.log_every == 0 or step == cfg.max_steps:
@@ -381,11 +386,10 @@ def _train_run(params: Params, data: TrainData, objective: Any, model: Llama,
                 done = _Progress(step, tokens_seen, skipped, history, run.run_id, None,
                                  progress.wall_seconds + time.perf_counter() - t0,
                                  interval.loss_sum, interval.loss_n, dict(interval.stats))
-                path = _save(checkpoint_dir, fp, done, model, optimizer, scaler, loader, env,
-                             cfg.keep_last, objective, saver)
+                _save(checkpoint_dir, fp, done, model, optimizer, scaler, loader, env,
+                      cfg.keep_last, objective, saver)
                 if saver is not None and step == cfg.max_steps:
                     saver.finish()  # the last checkpoint is on disk before the outputs
-                last_good_ckpt = path or last_good_ckpt
             interval.excluded += time.perf_counter() - paused
 
         vals = objective.evaluate(model, data, params, precision, env)
@@ -401,16 +405,31 @@ def _train_run(params: Params, data: TrainData, objective: Any, model: Llama,
         # After FSDP, rank 0 hands on the whole model (export, evaluation are unchanged).
         final = unsharded_copy(model, env) if sharded else model
         return TrainResult(final, metrics, rows, run.run_id, fp)
-    except KeyboardInterrupt:
-        status = "KILLED"
-        if saver is not None:  # Ctrl-C reaches every rank: commit what is being written
-            with contextlib.suppress(Exception):
-                saver.finish()
+    except BaseException as e:
+        status = "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED"
+        if saver is not None:  # the checkpoint being written is kept, whatever stopped us
+            _commit_on_the_way_out(saver, log)
         raise
     finally:
         run.finish(status)
         if env.is_main:
             runs.update_run(checkpoint_dir, status=status.lower(), mlflow_run_id=run.run_id)
+
+
+def _commit_on_the_way_out(saver: AsyncShardSaver, log: Callable[[str], None]) -> None:
+    """Finish and commit the sharded checkpoint still being written when a run stops
+    early, without collectives (the other ranks may not be stopping the same way); a
+    failure here is reported and the run's own error goes on."""
+    try:
+        saver.finish(collective=False)
+    except Exception as e:  # the run's own error is the one to raise
+        log(f"train: the checkpoint being written could not be committed ({e})")
+
+
+def _newest_checkpoint(directory: Path) -> str:
+    """The newest committed checkpoint of the run (a file on disk), or ``none``."""
+    found = ckpt.list_checkpoints(directory)
+    return str(found[-1]) if found else "none"
 
 
 def _silent(_: str) -> None:
@@ -761,7 +780,7 @@ def _processes(n: int) -> str:
 def _save(directory: Path, fp: str, progress: _Progress, model: Llama,
           optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, loader: Any,
           env: DistEnv, keep_last: int, objective: Any = None,
-          saver: AsyncShardSaver | None = None) -> str | None:
+          saver: AsyncShardSaver | None = None) -> None:
     """Gather every rank's loader, RNG and objective state; rank 0 writes the checkpoint.
 
     With FSDP (``saver``) every rank's shards are written in the background and the
@@ -774,7 +793,7 @@ def _save(directory: Path, fp: str, progress: _Progress, model: Llama,
     if not env.is_main:
         if saver is not None and sharded is not None:  # this rank's shards, in the background
             saver.save(sharded, model, optimizer, None)
-        return None
+        return
     p = dataclasses.asdict(progress)
     p["history"] = [progress.history[s] for s in sorted(progress.history)]
     weights = ({"model": {}, "optimizer": {}, "sharded": sharded.name} if sharded else
@@ -795,4 +814,3 @@ def _save(directory: Path, fp: str, progress: _Progress, model: Llama,
         saver.save(sharded, model, optimizer, commit)  # committed at the next save or finish
     else:
         commit()
-    return str(ckpt.checkpoint_path(directory, progress.step))
