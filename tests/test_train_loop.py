@@ -714,6 +714,37 @@ def test_init_from_the_stage_output_is_refused(tmp_path):
         run_train_stage(tiny_params(init_from=str(paths.final)), paths)
 
 
+@pytest.mark.parametrize("section", ["train", "sft", "dpo"])
+def test_init_from_errors_name_the_section_that_was_set(inputs, tmp_path, section):
+    """sft.init_from: models/sft is refused as sft.init_from, never as train.init_from."""
+    import dataclasses
+
+    from lmforge.config import DpoConfig, SftConfig
+    from lmforge.train.dpo import DpoPaths, run_dpo_stage
+    from lmforge.train.pipeline import run_train_stage
+    from lmforge.train.sft import SftPaths, run_sft_stage
+
+    stage = {"train": (TrainPaths, run_train_stage), "sft": (SftPaths, run_sft_stage),
+             "dpo": (DpoPaths, run_dpo_stage)}[section]
+    paths = stage[0]()  # the repo layout: refused before anything is read
+    params = tiny_params()
+    cfg = {"train": TrainConfig, "sft": SftConfig, "dpo": DpoConfig}[section]
+    params = dataclasses.replace(params, **{section: cfg(init_from=str(paths.final))})
+    with pytest.raises(InputError) as refused:
+        stage[1](params, paths)
+    assert str(refused.value).startswith(f"{section}.init_from: {paths.final} is inside")
+    assert f"point {section}.init_from there" in str(refused.value)
+    assert "train.init_from" not in str(refused.value) or section == "train"
+
+    # The loop's own checks (the weights to start from) name it too.
+    missing = tmp_path / "nowhere"
+    loop_params = dataclasses.replace(params, train=cfg(**{
+        **dataclasses.asdict(tiny_params().train), "lora": None, "init_from": str(missing)}))
+    with pytest.raises(InputError, match=rf"^{section}\.init_from: {missing}: "):
+        train(loop_params, open_data(inputs), tmp_path / "ck", "t" * 64, CPU, track=False,
+              log=lambda _: None)
+
+
 def test_a_run_whose_outputs_cannot_be_written_ends_failed_in_mlflow(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 

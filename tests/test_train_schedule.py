@@ -88,3 +88,37 @@ def test_precision_auto_on_gpu():
     p = resolve_precision("auto", torch.device("cuda"))
     assert p.name == ("bf16" if torch.cuda.is_bf16_supported() else "fp16")
     assert p.grad_scaler().is_enabled() == (p.name == "fp16")
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "wsd"])
+@pytest.mark.parametrize("warmup", [0, 0.05, 1])
+def test_a_one_step_run_trains_at_the_peak(schedule, warmup):
+    cfg = TrainConfig(max_steps=1, warmup=warmup, max_lr=3e-3, schedule=schedule)
+    cfg.validate()
+    assert lr_at(0, cfg) == pytest.approx(3e-3)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "wsd"])
+def test_the_longest_warmup_allowed_still_decays_on_the_last_step(schedule):
+    cfg = TrainConfig(max_steps=10, warmup=9, max_lr=0.5, min_lr_ratio=0.1, schedule=schedule)
+    cfg.validate()
+    curve = [lr_at(s, cfg) for s in range(10)]
+    assert curve[8] == pytest.approx(0.5) and curve[9] == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("section", ["train", "sft"])
+@pytest.mark.parametrize("warmup", [0.96, 10, 12])
+def test_a_warmup_that_leaves_no_decay_step_is_refused(section, warmup):
+    from lmforge.config import SftConfig
+
+    cls = TrainConfig if section == "train" else SftConfig
+    with pytest.raises(ConfigError, match=rf"^{section}\.warmup: .*leaves no step of "
+                                          rf"{section}\.max_steps=10 to decay; .*at most 9"):
+        cls(max_steps=10, warmup=warmup).validate()
+    cls(max_steps=10, warmup=0.94).validate()  # rounds to 9: one decay step is left
+
+
+def test_a_wsd_decay_too_short_to_round_to_a_step_still_ends_at_the_floor():
+    cfg = TrainConfig(max_steps=10, warmup=2, max_lr=0.5, schedule="wsd", decay_fraction=0.01)
+    curve = [lr_at(s, cfg) for s in range(10)]
+    assert curve[8] == pytest.approx(0.5) and curve[9] == pytest.approx(0.05)

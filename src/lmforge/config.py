@@ -440,22 +440,30 @@ class TrainConfig:
         _non_negative(self, "eval_every", "sample_every", "light_every", "num_threads",
                       "weight_decay", "label_smoothing", "z_loss", "warmup")
         if not 0 < self.max_lr < 1:
-            raise ConfigError(f"{_section(self)}.{yaml_name(type(self), 'max_lr')}: "
+            raise ConfigError(f"{section_name(self)}.{yaml_name(type(self), 'max_lr')}: "
                               f"{self.max_lr} must be in (0, 1)")
         _fraction(self, "min_lr_ratio", "decay_fraction")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ConfigError("train.beta1 and train.beta2 must be in [0, 1)")
-        if self.warmup >= 1 and self.warmup > self.max_steps:
-            raise ConfigError(
-                f"train.warmup: {self.warmup} steps exceeds train.max_steps={self.max_steps}"
-            )
+        self._check_warmup()
         if self.grad_clip < 0 or self.label_smoothing >= 1:
             raise ConfigError("train.grad_clip must be >= 0 and train.label_smoothing < 1")
         if self.strategy == "fsdp" and self.probe_micro_batch:
             # Each rank probes alone; under FSDP every forward is a collective.
-            raise ConfigError(f"{_section(self)}.probe_micro_batch: not with strategy fsdp "
+            raise ConfigError(f"{section_name(self)}.probe_micro_batch: not with strategy fsdp "
                               "(every rank would probe alone); `lmforge plan` gives the "
                               "micro-batch that fits")
+
+    def _check_warmup(self) -> None:
+        """The warmup must leave the decay at least one step (a run of one step has none
+        and trains at the peak): a warmup that ends on the last step never decays."""
+        section, steps, warmup = section_name(self), self.max_steps, self.warmup_steps()
+        if warmup > steps or (steps > 1 and warmup == steps):
+            given = (f"{self.warmup:g} of {steps} steps rounds to {warmup} steps" if
+                     self.warmup < 1 else f"{warmup} steps")
+            raise ConfigError(
+                f"{section}.warmup: {given}, which leaves no step of {section}.max_steps="
+                f"{steps} to decay; warm up over at most {max(steps - 1, 1)} steps")
 
     def warmup_steps(self) -> int:
         """Warmup in optimizer steps (``warmup`` may be given as a fraction of max_steps)."""
@@ -866,7 +874,8 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 # --------------------------------------------------------------------------- checks
 
 
-def _section(obj: Any) -> str:
+def section_name(obj: Any) -> str:
+    """The params.yaml section a config object is read from (``train``, ``sft``, ...)."""
     return {
         IngestConfig: "ingest", FilterConfig: "filter", DedupConfig: "dedup",
         MixConfig: "mix", TokenizerConfig: "tokenizer", ShardsConfig: "shards",
@@ -881,19 +890,19 @@ def _section(obj: Any) -> str:
 def _positive(obj: Any, *names: str) -> None:
     for n in names:
         if getattr(obj, n) <= 0:
-            raise ConfigError(f"{_section(obj)}.{n}: {getattr(obj, n)} must be > 0")
+            raise ConfigError(f"{section_name(obj)}.{n}: {getattr(obj, n)} must be > 0")
 
 
 def _non_negative(obj: Any, *names: str) -> None:
     for n in names:
         if getattr(obj, n) < 0:
-            raise ConfigError(f"{_section(obj)}.{n}: {getattr(obj, n)} must be >= 0")
+            raise ConfigError(f"{section_name(obj)}.{n}: {getattr(obj, n)} must be >= 0")
 
 
 def _fraction(obj: Any, *names: str) -> None:
     for n in names:
         if not 0 <= getattr(obj, n) <= 1:
-            raise ConfigError(f"{_section(obj)}.{n}: {getattr(obj, n)} must be in [0, 1]")
+            raise ConfigError(f"{section_name(obj)}.{n}: {getattr(obj, n)} must be in [0, 1]")
 
 
 def _kind(value: Any) -> str:

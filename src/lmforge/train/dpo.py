@@ -112,7 +112,7 @@ def run_dpo_stage(params: Params, paths: DpoPaths, module: str = "stages.dpo") -
     cfg = params.dpo
     if relaunched(cfg.nproc, module, "dpo"):
         return
-    ensure_outside(cfg.init_from, paths.final, "an output of this stage")
+    ensure_outside(cfg.init_from, paths.final, "an output of this stage", "dpo.init_from")
     env = distributed.setup(cfg.device, cfg.num_threads)
     try:
         if not paths.tokenizer.is_file():

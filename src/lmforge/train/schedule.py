@@ -14,15 +14,23 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate for optimizer step ``step`` (0-based) of ``cfg.max_steps``.
 
     Warmup rises linearly to ``max_lr`` over ``cfg.warmup_steps()`` steps; the decay
-    then reaches ``min_lr_ratio * max_lr`` exactly on the last step.
+    then reaches ``min_lr_ratio * max_lr`` exactly on the last step (the config leaves it
+    at least one step). A run of one step trains at the peak: it has nothing to warm up
+    from or decay to, and its last step at the floor would be a run at a tenth of the
+    rate it was given.
     """
     peak, floor = cfg.max_lr, cfg.max_lr * cfg.min_lr_ratio
+    if cfg.max_steps == 1:
+        return peak
     warmup = cfg.warmup_steps()
     if step < warmup:
         return peak * (step + 1) / warmup
     last = cfg.max_steps - 1
     if cfg.schedule == "wsd":
-        decay_start = max(warmup, last - int(round(cfg.decay_fraction * cfg.max_steps)))
+        # The last step at the peak; at most the one before the last, so the decay
+        # reaches the floor on the last step however short decay_fraction makes it.
+        decay_start = min(max(warmup, last - int(round(cfg.decay_fraction * cfg.max_steps))),
+                          last - 1)
         if step <= decay_start:
             return peak
         return peak + (floor - peak) * _progress(step, decay_start, last)

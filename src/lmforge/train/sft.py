@@ -92,7 +92,7 @@ def run_sft_stage(params: Params, paths: SftPaths, module: str = "stages.sft") -
     cfg = params.sft
     if relaunched(cfg.nproc, module, "sft"):
         return
-    ensure_outside(cfg.init_from, paths.final, "an output of this stage")
+    ensure_outside(cfg.init_from, paths.final, "an output of this stage", "sft.init_from")
     env = distributed.setup(cfg.device, cfg.num_threads)
     try:
         if not paths.tokenizer.is_file():

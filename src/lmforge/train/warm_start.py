@@ -1,4 +1,4 @@
-"""``train.init_from``: start a run from trained weights (continued pretraining).
+"""``init_from`` (``train``, ``sft``, ``dpo``): start a run from trained weights.
 
 The source is a model directory (the train stage's ``models/final``, or what
 ``lmforge import hf`` wrote) or a ``step-*.pt`` checkpoint. Only the weights are taken:
@@ -25,15 +25,21 @@ from lmforge.model.saved import WEIGHTS, load_model, read_config
 _FREE = {"seq_len", "dropout", "doc_mask"}
 
 
-def ensure_outside(source: str | Path, directory: str | Path, why: str) -> None:
+# Every message names the params.yaml key that was set (``key``): train.init_from,
+# sft.init_from or dpo.init_from.
+TRAIN_KEY = "train.init_from"
+
+
+def ensure_outside(source: str | Path, directory: str | Path, why: str,
+                   key: str = TRAIN_KEY) -> None:
     """One-line error when ``source`` lies in ``directory`` (a folder the run rewrites)."""
     src, d = Path(source).resolve(), Path(directory).resolve()
     if src == d or d in src.parents:
-        raise InputError(f"train.init_from: {source} is inside {directory}, {why}; copy it "
-                         "elsewhere (e.g. models/base) and point train.init_from there")
+        raise InputError(f"{key}: {source} is inside {directory}, {why}; copy it "
+                         f"elsewhere (e.g. models/base) and point {key} there")
 
 
-def weights_sha256(source: str | Path) -> str:
+def weights_sha256(source: str | Path, key: str = TRAIN_KEY) -> str:
     """sha256 of the source's weights file: part of the run fingerprint."""
     path = Path(source)
     path = path / WEIGHTS if path.is_dir() else path
@@ -43,21 +49,22 @@ def weights_sha256(source: str | Path) -> str:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
     except OSError as e:
-        raise InputError(f"train.init_from: {path}: {e.strerror or e}") from None
+        raise InputError(f"{key}: {path}: {e.strerror or e}") from None
     return h.hexdigest()
 
 
-def warm_start(model: Llama, source: str | Path, tokenizer_sha256: str) -> str:
+def warm_start(model: Llama, source: str | Path, tokenizer_sha256: str,
+               key: str = TRAIN_KEY) -> str:
     """Copy ``source``'s weights into ``model``; return a one-line description."""
     source = Path(source)
     if not source.exists():
-        raise InputError(f"train.init_from: {source}: no such file or directory")
+        raise InputError(f"{key}: {source}: no such file or directory")
     try:
         init, config = load_model(source)
     except InputError as e:  # e.g. a light snapshot or a bare safetensors file
-        raise InputError(f"train.init_from: {e}") from None
+        raise InputError(f"{key}: {e}") from None
     note = _check_source(model.config, model.vocab_size, init.config, init.vocab_size,
-                         config, source, tokenizer_sha256)
+                         config, source, tokenizer_sha256, key)
     target = model.state_dict()
     with torch.no_grad():
         for name, tensor in init.state_dict().items():
@@ -66,37 +73,37 @@ def warm_start(model: Llama, source: str | Path, tokenizer_sha256: str) -> str:
 
 
 def check_model_dir(ours: ModelConfig, our_vocab: int, source: str | Path,
-                    tokenizer_sha256: str) -> str:
+                    tokenizer_sha256: str, key: str = TRAIN_KEY) -> str:
     """What :func:`warm_start` checks, from ``source``'s config alone (a model directory
     whose weights are then read a slice at a time); returns warm_start's line."""
     theirs, their_vocab, config = read_config(source)
     note = _check_source(ours, our_vocab, theirs, their_vocab, config, Path(source),
-                         tokenizer_sha256)
+                         tokenizer_sha256, key)
     return f"train: weights from {source}, read shard by shard{note}"
 
 
 def _check_source(ours: ModelConfig, our_vocab: int, theirs: ModelConfig, their_vocab: int,
-                  config: dict, source: Path, tokenizer_sha256: str) -> str:
+                  config: dict, source: Path, tokenizer_sha256: str, key: str) -> str:
     """Architecture and tokenizer of the source against the run's; a note for the log."""
-    _check_architecture(ours, our_vocab, theirs, their_vocab, source)
+    _check_architecture(ours, our_vocab, theirs, their_vocab, source, key)
     recorded = config.get("tokenizer_sha256")
     if recorded and tokenizer_sha256 and recorded != tokenizer_sha256:
         raise InputError(
-            f"train.init_from: {source} was trained with tokenizer {recorded[:12]}, the shards "
+            f"{key}: {source} was trained with tokenizer {recorded[:12]}, the shards "
             f"use {tokenizer_sha256[:12]}; set tokenizer.init_from to its tokenizer.model "
             "and rebuild the shards")
     return "" if recorded else " (its tokenizer is unrecorded: not checked)"
 
 
 def _check_architecture(ours: ModelConfig, our_vocab: int, theirs: ModelConfig,
-                        their_vocab: int, source: Path) -> None:
+                        their_vocab: int, source: Path, key: str) -> None:
     if their_vocab != our_vocab:
-        raise InputError(f"train.init_from: {source} has vocab_size {their_vocab}, the shards "
+        raise InputError(f"{key}: {source} has vocab_size {their_vocab}, the shards "
                          f"{our_vocab}")
     mine, other = dataclasses.asdict(ours), dataclasses.asdict(theirs)
     for fields in (mine, other):  # unset = as many key/value heads as query heads
         fields["n_kv_head"] = fields["n_kv_head"] or fields["n_head"]
-    for key in mine:
-        if key not in _FREE and mine[key] != other[key]:
-            raise InputError(f"train.init_from: {source} has model.{key} {other[key]!r}, "
-                             f"params.yaml {mine[key]!r}")
+    for field in mine:
+        if field not in _FREE and mine[field] != other[field]:
+            raise InputError(f"{key}: {source} has model.{field} {other[field]!r}, "
+                             f"params.yaml {mine[field]!r}")
