@@ -107,21 +107,28 @@ class FakeDvc:
         monkeypatch.setattr(sweep, "wait_for_queue", lambda report=None: None)
 
 
+def today_key(p) -> str:
+    """The settings key of the sweep ``p`` asks for, in the workspace as it is."""
+    return sweep.sweep_settings(p.mix_sweep, sweep.sweep_tokenizer(p.mix_sweep.name))[0]
+
+
 def test_a_rerun_queues_only_the_proxies_not_done_and_retries_the_failed(workspace,
                                                                          monkeypatch):
-    fake = FakeDvc({"mixsweep-00": "success", "mixsweep-02": "failed",
-                    "mixsweep-03": "running", "other-exp": "success"})
+    p = params(proxies=5, jobs=2)
+    k = today_key(p)
+    fake = FakeDvc({f"mixsweep-{k}-00": "success", f"mixsweep-{k}-02": "failed",
+                    f"mixsweep-{k}-03": "running", "other-exp": "success"})
     fake.install(monkeypatch)
     lines: list[str] = []
-    names = sweep.run_sweep(params(proxies=5, jobs=2), log=lines.append)
-    assert names == [f"mixsweep-{i:02d}" for i in range(5)]
-    assert sorted(fake.queued) == ["mixsweep-01", "mixsweep-02", "mixsweep-04"]
-    assert ("exp", "remove", "mixsweep-02") in fake.calls
+    names = sweep.run_sweep(p, log=lines.append)
+    assert names == [f"mixsweep-{k}-{i:02d}" for i in range(5)]
+    assert sorted(fake.queued) == [f"mixsweep-{k}-01", f"mixsweep-{k}-02", f"mixsweep-{k}-04"]
+    assert ("exp", "remove", f"mixsweep-{k}-02") in fake.calls
     assert ("queue", "start", "-j", "2") in fake.calls
     assert any("3 proxies queued, 2 already there" in line for line in lines), lines
 
     # What a proxy is told: its weights, the proxy's shape and budget, the frozen tokenizer.
-    sets = fake.queued["mixsweep-01"]
+    sets = fake.queued[f"mixsweep-{k}-01"]
     weights = {s.split("=")[0].removeprefix("mix.weights."): float(s.split("=")[1])
                for s in sets if s.startswith("mix.weights.")}
     assert sorted(weights) == DOMAINS and sum(weights.values()) == pytest.approx(1, abs=1e-5)
@@ -153,6 +160,59 @@ def test_the_frozen_tokenizer_outlives_a_new_workspace_tokenizer(workspace, monk
             ).read_bytes() == b"retrained"
 
 
+def test_a_rerun_with_other_settings_queues_new_proxies_and_keeps_the_old(workspace,
+                                                                          monkeypatch):
+    fake = FakeDvc({})
+    fake.install(monkeypatch)
+    sweep.run_sweep(params(proxies=3), log=lambda _: None)
+    first = sorted(fake.queued)
+    assert len(first) == 3
+    for change in ({"max_steps": 600}, {"seed": 1}, {"proxy_model": {"n_layer": 3}}):
+        fake.queued = {}
+        lines: list[str] = []
+        sweep.run_sweep(params(proxies=3, **change), log=lines.append)
+        assert len(fake.queued) == 3 and not set(fake.queued) & set(first), (change, lines)
+        assert any("3 proxies queued, 0 already there" in line for line in lines), lines
+        assert set(first) <= set(fake.states) and not any(c[:2] == ("exp", "remove")
+                                                          for c in fake.calls)
+    # A change in the workspace's params.yaml the proxies train with counts too; one that
+    # only changes how runs are observed does not.
+    for key, value, new in (("train.max_lr", 5e-4, True), ("train.log_every", 7, False),
+                            ("dedup.num_workers", 1, False)):
+        raw = yaml.safe_load(Path("params.yaml").read_text(encoding="utf-8"))
+        section, field = key.split(".")
+        raw[section][field] = value
+        Path("params.yaml").write_text(yaml.safe_dump(raw), encoding="utf-8")
+        fake.queued = {}
+        sweep.run_sweep(params(proxies=3), log=lambda _: None)
+        assert bool(fake.queued) == new, key
+        if new:
+            first = sorted(fake.queued)
+
+
+def test_fit_uses_only_the_proxies_of_todays_settings_and_says_what_the_others_differ_in(
+        workspace, monkeypatch):
+    shares, bpb = synthetic_results(20, np.random.default_rng(0))
+    old = params(proxies=20, max_steps=600)
+    exps = {**fake_experiments(shares, bpb), **fake_experiments(shares[:8], bpb[:8] + 1, p=old)}
+    assert len(exps) == 28
+    monkeypatch.setattr(report, "experiments", lambda: exps)
+    lines: list[str] = []
+    fitted = report.run_fit(params(proxies=20, candidates=5_000), log=lines.append)
+    saved = json.loads((workspace / "metrics" / "mix_fit.json").read_text())
+    assert saved["proxies"] == sorted(fake_experiments(shares, bpb))
+    assert fitted.trusted
+    line = next(line for line in lines if "left out" in line)
+    assert "8 proxies of sweep mixsweep trained with other settings" in line
+    assert "train.max_steps 600 -> 150" in line and "model." not in line, line
+
+    # Only proxies of other settings: refused in one line that says why.
+    monkeypatch.setattr(report, "experiments", lambda: fake_experiments(shares, bpb, p=old))
+    with pytest.raises(InputError, match=r"no finished proxies of sweep mixsweep with "
+                                         r"today's settings .*train.max_steps 600 -> 150"):
+        report.run_fit(params(proxies=20), log=lambda _: None)
+
+
 def test_stale_data_stages_stop_the_sweep_before_queueing(workspace, monkeypatch):
     fake = FakeDvc({})
     fake.install(monkeypatch)
@@ -176,11 +236,29 @@ def synthetic_results(n: int, rng: np.random.Generator, noise: float = 0.002):
     return shares, bpb
 
 
-def fake_experiments(shares, bpb, failed=()):
+def recorded_params(p) -> dict:
+    """params.yaml as DVC records it for a proxy of sweep ``p``: the workspace's, with the
+    sweep's overrides."""
+    raw = yaml.safe_load(Path("params.yaml").read_text(encoding="utf-8"))
+    raw["mix_sweep"].update({n: getattr(p.mix_sweep, n) for n in sweep.SAMPLING})
+    for override in sweep.proxy_sets(p.mix_sweep, sweep.sweep_tokenizer(p.mix_sweep.name)):
+        key, _, text = override.partition("=")
+        *parents, leaf = key.split(".")
+        node = raw
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(text)
+    return {"params.yaml": raw}
+
+
+def fake_experiments(shares, bpb, failed=(), p=None):
+    """Finished proxies of sweep ``p`` (the default params) with these results."""
+    p = p or params()
+    key, recorded = today_key(p), recorded_params(p)
     exps = {}
     for i, (s, b) in enumerate(zip(shares, bpb, strict=True)):
-        name = f"mixsweep-{i:02d}"
-        exps[name] = {"state": "failed" if name in failed else "success", "params": {},
+        name = f"mixsweep-{key}-{i:02d}"
+        exps[name] = {"state": "failed" if i in failed else "success", "params": recorded,
                       "metrics": {
                           "metrics/mix.json": {"domains": {
                               d: {"achieved_share": float(v)} for d, v in zip(DOMAINS, s, strict=True)}},
@@ -192,8 +270,9 @@ def fake_experiments(shares, bpb, failed=()):
 def test_fit_recommends_a_feasible_mixture_and_writes_what_dvc_and_mlflow_show(
         workspace, monkeypatch):
     shares, bpb = synthetic_results(24, np.random.default_rng(0))
-    exps = fake_experiments(shares, bpb, failed={"mixsweep-05"})
-    exps["mixsweep-confirm"] = exps["other"] = exps["mixsweep-00"]
+    exps = fake_experiments(shares, bpb, failed={5})
+    first = next(iter(exps))
+    exps["mixsweep-confirm"] = exps["other"] = exps[first]
     monkeypatch.setattr(report, "experiments", lambda: exps)
     lines: list[str] = []
     # 20 in params, 24 run (`mix sweep --proxies 24`): all of them count.
@@ -209,7 +288,7 @@ def test_fit_recommends_a_feasible_mixture_and_writes_what_dvc_and_mlflow_show(
     assert fitted.predicted_objective < fitted.reference_objective
 
     saved = json.loads((workspace / "metrics" / "mix_fit.json").read_text())
-    assert len(saved["proxies"]) == 23 and "mixsweep-05" not in saved["proxies"]
+    assert len(saved["proxies"]) == 23 and first.replace("-00", "-05") not in saved["proxies"]
     rows = (workspace / "plots" / "mix_fit.tsv").read_text().splitlines()
     assert rows[0] == "proxy\tmeasured\tpredicted" and len(rows) == 24
     md = (workspace / "metrics" / "mix_fit.md").read_text()
@@ -248,9 +327,10 @@ def test_score_uses_the_objectives_fixed_weights(workspace, monkeypatch):
         {"val": {"domains": {d: {"bits_per_byte": v} for d, v in b.items()}}}))
     other = fake_experiments([np.full(6, 1 / 6)], [np.full(6, 2.5)])
     monkeypatch.setattr(report, "experiments", lambda: other)
-    scores = report.run_score(params(), ["mixsweep-00"], log=lambda _: None)
+    (name,) = other
+    scores = report.run_score(params(), [name], log=lambda _: None)
     assert scores["workspace"] == pytest.approx(np.mean(list(b.values())))
-    assert scores["mixsweep-00"] == pytest.approx(2.5)
+    assert scores[name] == pytest.approx(2.5)
     target = report.run_score(params(objective="target", target_domain="math"), [],
                               log=lambda _: None)
     assert target["workspace"] == pytest.approx(b["math"])

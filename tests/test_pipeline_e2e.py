@@ -11,6 +11,7 @@ import gzip
 import json
 import math
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -19,6 +20,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from lmforge.config import load_params
+from lmforge.mixture import sweep
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "data" / "raw" / "demo"
@@ -364,17 +368,25 @@ def test_mix_sweep_queues_proxies_that_rerun_only_mix_to_evaluate_and_fits(pipel
                                       encoding="utf-8")
     out = run(["lmforge", "mix", "sweep"], root, env)
     assert "3 proxies queued, 0 already there" in out, out
-    names = [f"mixsweep-{i:02d}" for i in range(3)]
+    key = re.search(r"settings ([0-9a-f]{8}): ", out).group(1)
+    names = [f"mixsweep-{key}-{i:02d}" for i in range(3)]
     shown = json.loads(run(["dvc", "exp", "show", "--json"], root, env))
     found = {r["name"]: r for c in shown for e in (c.get("experiments") or [])
              for r in e["revs"]}
     frozen = str(root / "models" / "mix_sweep" / "mixsweep" / "tokenizer.model")
     sweep_weights = []
+    cfg = load_params(root / "params.yaml").mix_sweep
+    today = sweep.proxy_settings(params, sweep.proxy_sets(cfg, Path(frozen)), cfg,
+                                 Path(frozen))
+    assert sweep.settings_key(today) == key
     for name in names:
         assert name in found, sorted(found)
         data = found[name]["data"]
         p = data["params"]["params.yaml"]["data"]
         assert p["tokenizer"]["init_from"] == frozen and p["model"]["n_layer"] == 1
+        # What DVC recorded is what the sweep's key stands for (the values, their types).
+        recorded = sweep.recorded_settings(p)
+        assert recorded == {k: v for k, v in today.items() if k != "tokenizer.frozen_sha256"}
         sweep_weights.append(p["mix"]["weights"])
         assert data["metrics"]["metrics/tokenizer.json"]["data"]["init_from"] == frozen
         logs = run(["dvc", "queue", "logs", name], root, env)
@@ -402,5 +414,5 @@ def test_mix_sweep_queues_proxies_that_rerun_only_mix_to_evaluate_and_fits(pipel
     else:
         assert fit["recommendation"] is None and "rank correlation" in fit["reason"]
     assert (root / "plots" / "mix_fit.tsv").read_text().count("\n") == 4
-    scored = run(["lmforge", "mix", "score", "mixsweep-01"], root, env)
-    assert "workspace: objective" in scored and "mixsweep-01: objective" in scored
+    scored = run(["lmforge", "mix", "score", names[1]], root, env)
+    assert "workspace: objective" in scored and f"{names[1]}: objective" in scored

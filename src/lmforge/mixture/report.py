@@ -29,7 +29,16 @@ from lmforge.experiments import experiments
 from lmforge.io import write_json, write_text
 from lmforge.mixture.fit import FitReport, Objective, fit_and_search
 from lmforge.mixture.space import epoch_feasible, sample_mixtures
-from lmforge.mixture.sweep import MIX_METRICS, DomainSizes, domain_sizes
+from lmforge.mixture.sweep import (
+    MIX_METRICS,
+    PARAMS,
+    DomainSizes,
+    domain_sizes,
+    recorded_settings,
+    setting_changes,
+    sweep_settings,
+    sweep_tokenizer,
+)
 
 EVAL = "metrics/eval.json"
 MIX = str(MIX_METRICS)  # as dvc exp show names it
@@ -65,18 +74,28 @@ def val_bpb(eval_metrics: dict[str, Any], where: str) -> dict[str, float]:
         raise InputError(f"{where}: {EVAL} has no val.domains.<domain>.bits_per_byte") from None
 
 
-def collect(cfg: MixSweepConfig, domains: list[str]) -> Proxies:
-    """Every finished proxy of the sweep, as ``dvc exp show`` lists them."""
-    names, shares, bpbs = [], [], []
+def collect(cfg: MixSweepConfig, domains: list[str],
+            log: Callable[[str], None] = print) -> Proxies:
+    """Every finished proxy of the sweep with today's settings, as ``dvc exp show`` lists
+    them (also those a ``mix sweep --proxies N`` added beyond mix_sweep.proxies). Proxies
+    of the sweep trained with other settings are left out, and a line says how many and
+    what differs: a fit over both would mix losses of different runs."""
+    key, settings = sweep_settings(cfg, sweep_tokenizer(cfg.name))
     found = experiments()
-    # Every proxy of the sweep, also those a `mix sweep --proxies N` added beyond
-    # mix_sweep.proxies.
-    pattern = re.compile(rf"{re.escape(cfg.name)}-\d{{2,}}")
-    for name in sorted(n for n in found if pattern.fullmatch(n)):
-        exp = found[name]
-        if exp["state"] != "success":
-            continue
-        metrics = exp["metrics"]
+    finished = sorted(n for n, e in found.items() if e["state"] == "success")
+    ours = re.compile(rf"{re.escape(cfg.name)}-{key}-\d{{2,}}")
+    # Any proxy of the sweep: named with a settings key, or (before keys) without one.
+    sweep_proxy = re.compile(rf"{re.escape(cfg.name)}-(?:[0-9a-f]{{8}}-)?\d{{2,}}")
+    others = [n for n in finished if sweep_proxy.fullmatch(n) and not ours.fullmatch(n)]
+    left_out = ""
+    if others:
+        recorded = recorded_settings(found[others[-1]]["params"].get(str(PARAMS), {}))
+        left_out = (f"{len(others)} proxies of sweep {cfg.name} trained with other settings "
+                    f"are left out ({others[-1]}: {setting_changes(recorded, settings)})")
+        log(f"mix fit: {left_out}")
+    names, shares, bpbs = [], [], []
+    for name in (n for n in finished if ours.fullmatch(n)):
+        metrics = found[name]["metrics"]
         try:
             mixed = metrics[MIX]["domains"]
             shares.append([float(mixed[d]["achieved_share"]) if d in mixed else 0.0
@@ -86,7 +105,9 @@ def collect(cfg: MixSweepConfig, domains: list[str]) -> Proxies:
         bpbs.append(val_bpb(metrics.get(EVAL, {}), f"experiment {name}"))
         names.append(name)
     if not names:
-        raise InputError(f"no finished proxies named {cfg.name}-NN; run `lmforge mix sweep`")
+        raise InputError(f"no finished proxies of sweep {cfg.name} with today's settings "
+                         f"({cfg.name}-{key}-NN)" + (f"; {left_out}" if left_out else "")
+                         + "; run `lmforge mix sweep`")
     eval_domains = sorted(set.intersection(*(set(b) for b in bpbs)))
     bpb = np.array([[b[d] for d in eval_domains] for b in bpbs])
     return Proxies(names, np.array(shares), bpb, eval_domains)
@@ -129,7 +150,7 @@ def run_fit(params: Params, log: Callable[[str], None] = print) -> FitReport:
     """Fit, search, write the outputs, log them to MLflow; the report."""
     cfg = params.mix_sweep
     sizes = domain_sizes()
-    proxies = collect(cfg, sizes.domains)
+    proxies = collect(cfg, sizes.domains, log)
     log(f"mix fit: {len(proxies.names)} proxies, {len(sizes.domains)} domains, "
         f"objective {cfg.objective}")
     total = sum(params.mix.weights.values())

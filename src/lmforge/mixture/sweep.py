@@ -12,17 +12,27 @@ is copied to ``models/mix_sweep/<name>/tokenizer.model`` once and every proxy re
 (``tokenizer.init_from``) instead of training one on its own mixture. The proxies then
 see the same token ids, their val sets are the same documents (mix splits val before it
 weights), and bits-per-byte compares them whatever the tokenizer.
+
+A proxy is defined by the settings it trains with: the params.yaml sections of the stages
+it runs and reads from (with the sweep's overrides), the sampling settings that chose its
+mixture and the frozen tokenizer. Their hash, the sweep's key, is part of every proxy's
+name (``<name>-<key>-NN``), so a rerun after any of them changed queues new proxies
+rather than counting the old ones as done, and ``mix fit`` fits only the proxies of
+today's settings (:func:`proxy_settings`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import yaml
 
 from lmforge.config import MixSweepConfig, Params
 from lmforge.errors import InputError
@@ -34,12 +44,28 @@ from lmforge.experiments import (
     wait_for_queue,
 )
 from lmforge.mixture.space import sample_mixtures
+from lmforge.train.checkpoint import NON_RUN_KEYS
 
 MIX_METRICS = Path("metrics/mix.json")
 TOKENIZER = Path("models/tokenizer/tokenizer.model")
 SWEEPS = Path("models/mix_sweep")  # <name>/tokenizer.model: a sweep's frozen tokenizer
+PARAMS = Path("params.yaml")
 # Stages that must be up to date before queueing, or every proxy would rerun them.
 UPSTREAM = ("ingest", "filter", "dedup")
+# The params.yaml sections a proxy's result depends on: the stages it runs (mix to
+# evaluate) and those whose outputs it reads ...
+DEFINING = (*UPSTREAM, "mix", "tokenizer", "shards", "model", "train", "evaluate")
+# ... less what only changes how a run is observed or how fast it goes (the same rule as
+# a training run's fingerprint), the per-proxy mixture, and the frozen tokenizer's path
+# (its bytes count instead).
+NOT_DEFINING = {
+    "train": NON_RUN_KEYS - {"init_from"},
+    "evaluate": {"prompts", "temperatures", "max_new_tokens", "top_k", "seed"},
+    "mix": {"weights"},
+    "tokenizer": {"init_from"},
+}
+# The mix_sweep settings a proxy's mixture is drawn with.
+SAMPLING = ("seed", "concentration", "bounds")
 
 
 @dataclass
@@ -85,8 +111,83 @@ def proxy_mixtures(cfg: MixSweepConfig, sizes: DomainSizes) -> np.ndarray:
     return np.stack(rows)
 
 
-def proxy_name(cfg: MixSweepConfig, i: int) -> str:
-    return f"{cfg.name}-{i:02d}"
+def proxy_name(cfg: MixSweepConfig, key: str, i: int) -> str:
+    """Proxy ``i`` of the sweep whose settings hash to ``key``."""
+    return f"{cfg.name}-{key}-{i:02d}"
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as ``{"a.b.c": value}`` (lists are values), as ``-S`` names keys."""
+    if not isinstance(tree, dict):
+        return {prefix: tree} if prefix else {}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def defines(key: str) -> bool:
+    """Whether the flat params.yaml key ``key`` changes what a proxy computes."""
+    section, _, rest = key.partition(".")
+    field = rest.split(".")[0]
+    return (section in DEFINING and field != "num_workers"
+            and field not in NOT_DEFINING.get(section, ()))
+
+
+def recorded_settings(raw: dict[str, Any]) -> dict[str, Any]:
+    """The defining settings in a params.yaml as DVC records it for an experiment: its
+    sections' values (:func:`defines`) and the mixture's sampling settings."""
+    settings = {k: v for k, v in flatten({s: raw.get(s) for s in DEFINING}).items()
+                if defines(k)}
+    sampling = raw.get("mix_sweep") or {}
+    settings.update({f"mix_sweep.{n}": sampling.get(n) for n in SAMPLING})
+    return settings
+
+
+def proxy_settings(raw: dict[str, Any], shared: list[str], cfg: MixSweepConfig,
+                   tokenizer: Path) -> dict[str, Any]:
+    """The settings every proxy of the sweep shares, flat: the workspace's ``raw``
+    params.yaml with the ``shared`` ``-S`` overrides applied (as DVC records each proxy's
+    params), the settings its mixture is sampled with, and the tokenizer's sha256."""
+    settings = recorded_settings(raw)
+    for override in shared:
+        key, _, text = override.partition("=")
+        if defines(key):
+            settings[key] = yaml.safe_load(text)
+    settings.update({f"mix_sweep.{n}": getattr(cfg, n) for n in SAMPLING})
+    settings["tokenizer.frozen_sha256"] = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+    return settings
+
+
+def setting_changes(recorded: dict[str, Any], today: dict[str, Any], most: int = 4) -> str:
+    """``train.max_steps 150 -> 600, ...``: how a proxy's recorded settings differ from
+    today's (the tokenizer's bytes are not in a DVC record)."""
+    keys = sorted(k for k in set(recorded) | set(today)
+                  if k != "tokenizer.frozen_sha256" and recorded.get(k) != today.get(k))
+    shown = [f"{k} {recorded.get(k)!r} -> {today.get(k)!r}" for k in keys[:most]]
+    if len(keys) > most:
+        shown.append(f"{len(keys) - most} more")
+    return ", ".join(shown) or "the same params.yaml values: another frozen tokenizer"
+
+
+def settings_key(settings: dict[str, Any]) -> str:
+    """Eight hex digits of the settings' sha256: the part of a proxy's name they decide."""
+    blob = json.dumps(settings, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:8]
+
+
+def read_params_yaml(path: Path = PARAMS) -> dict[str, Any]:
+    """The workspace's params.yaml as written (what ``dvc exp run`` starts from)."""
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise InputError(f"{path}: missing; run lmforge from the repository root") from None
+
+
+def sweep_settings(cfg: MixSweepConfig, tokenizer: Path) -> tuple[str, dict[str, Any]]:
+    """(key, settings) of today's sweep ``cfg`` with its frozen ``tokenizer``."""
+    settings = proxy_settings(read_params_yaml(), proxy_sets(cfg, tokenizer), cfg, tokenizer)
+    return settings_key(settings), settings
 
 
 def proxy_sets(cfg: MixSweepConfig, tokenizer: Path) -> list[str]:
@@ -105,6 +206,17 @@ def proxy_sets(cfg: MixSweepConfig, tokenizer: Path) -> list[str]:
 
 def weight_sets(domains: list[str], mixture: np.ndarray) -> list[str]:
     return [f"mix.weights.{d}={w:.6f}" for d, w in zip(domains, mixture, strict=True)]
+
+
+def sweep_tokenizer(name: str) -> Path:
+    """The tokenizer sweep ``name``'s proxies use: its frozen copy, or before the first
+    run the workspace's one that will be frozen."""
+    frozen = SWEEPS / name / "tokenizer.model"
+    if frozen.is_file():
+        return frozen
+    if not TOKENIZER.is_file():
+        raise InputError(f"{TOKENIZER}: missing; run `dvc repro tokenizer` first")
+    return TOKENIZER
 
 
 def freeze_tokenizer(name: str, log: Callable[[str], None]) -> Path:
@@ -137,13 +249,17 @@ def run_sweep(params: Params, jobs: int | None = None, dry_run: bool = False,
     cfg = params.mix_sweep
     sizes = domain_sizes()
     mixtures = proxy_mixtures(cfg, sizes)
-    names = [proxy_name(cfg, i) for i in range(cfg.proxies)]
-    if dry_run:
+    if dry_run:  # the names and mixtures it would queue; nothing frozen or queued
+        key, _ = sweep_settings(cfg, sweep_tokenizer(cfg.name))
+        names = [proxy_name(cfg, key, i) for i in range(cfg.proxies)]
         for name, mixture in zip(names, mixtures, strict=True):
             log(f"{name}: " + " ".join(weight_sets(sizes.domains, mixture)))
         return names
     check_upstream()
-    shared = proxy_sets(cfg, freeze_tokenizer(cfg.name, log))
+    tokenizer = freeze_tokenizer(cfg.name, log)
+    shared = proxy_sets(cfg, tokenizer)
+    key, _ = sweep_settings(cfg, tokenizer)
+    names = [proxy_name(cfg, key, i) for i in range(cfg.proxies)]
     done = {n: e["state"] for n, e in experiments().items() if n in names}
     queued = 0
     for name, mixture in zip(names, mixtures, strict=True):
@@ -153,8 +269,8 @@ def run_sweep(params: Params, jobs: int | None = None, dry_run: bool = False,
             dvc("exp", "remove", name)
         queue_experiment(name, weight_sets(sizes.domains, mixture) + shared, ("evaluate",))
         queued += 1
-    log(f"mix sweep: {queued} proxies queued, {len(names) - queued} already there; "
-        f"running {jobs or cfg.jobs} at a time")
+    log(f"mix sweep: settings {key}: {queued} proxies queued, {len(names) - queued} "
+        f"already there; running {jobs or cfg.jobs} at a time")
     start_queue(jobs or cfg.jobs)
     wait_for_queue(report=lambda n: log(f"mix sweep: {n} proxies queued or running"))
     states = {n: e["state"] for n, e in experiments().items() if n in names}
