@@ -165,12 +165,12 @@ def test_import_matches_hf_logits_and_export_gives_back_the_weights(tmp_path, sp
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "RoPE scaling"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "RoPE scaling"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type 'linear'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type 'yarn'"),
     ({"attention_bias": True}, "attention_bias"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"model_type": "qwen2"}, "model_type"),
+    ({"model_type": "gemma"}, "model_type"),
     ({"intermediate_size": 64}, "intermediate_size"),
 ])
 def test_import_refuses_unsupported_features_in_one_line(tmp_path, sp_path, change, message):

@@ -322,6 +322,30 @@ class ExecutorConfig:
 
 
 @dataclass
+class RopeScalingConfig:
+    """Llama 3.1's RoPE frequency scaling (``rope_scaling: {rope_type: llama3, ...}``):
+    wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` are
+    stretched by ``factor``, shorter than ``... / high_freq_factor`` kept, and those
+    between interpolated (transformers' ``_compute_llama3_parameters``)."""
+
+    kind: Literal["llama3"] = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def validate(self) -> None:
+        if not (self.factor >= 1 and 0 < self.low_freq_factor < self.high_freq_factor):
+            raise ConfigError("model.rope_scaling: needs factor >= 1 and 0 < low_freq_factor "
+                              "< high_freq_factor")
+        _positive(self, "original_max_position_embeddings")
+
+
+# The open families the decoder computes exactly: each is the Llama block with options.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
 class ModelConfig:
     n_layer: int = 4
     n_head: int = 4
@@ -336,19 +360,35 @@ class ModelConfig:
     dropout: float = 0.0
     # Stop attention at document boundaries (needs the shard document index).
     doc_mask: bool = False
+    # Which Hugging Face class the model exports as (an imported model keeps its own).
+    family: Literal["llama", "mistral", "qwen2", "qwen3"] = "llama"
+    # Width of one attention head; null = n_embd / n_head (Qwen3 sets its own).
+    head_dim: int | None = None
+    # Biases on the query, key and value projections (Qwen2).
+    qkv_bias: bool = False
+    # RMSNorm over each query and key head before RoPE (Qwen3).
+    qk_norm: bool = False
+    # Llama 3.1 RoPE scaling; null = plain RoPE.
+    rope_scaling: RopeScalingConfig | None = None
+
+    def head_size(self) -> int:
+        """Width of one attention head (``head_dim``, or n_embd / n_head)."""
+        return self.head_dim or self.n_embd // self.n_head
 
     def validate(self) -> None:
         _positive(self, "n_layer", "n_head", "n_embd", "seq_len", "ffn_multiple_of")
-        if self.n_embd % self.n_head:
+        if self.head_dim is None and self.n_embd % self.n_head:
             raise ConfigError(
                 f"model.n_embd: {self.n_embd} is not divisible by model.n_head={self.n_head}"
             )
-        head_dim = self.n_embd // self.n_head
-        if head_dim % 2:
+        head_dim = self.head_size()
+        if head_dim % 2 or head_dim < 2:
             raise ConfigError(
-                f"model.n_embd/model.n_head: head_dim {head_dim} is odd; RoPE rotates pairs "
-                "of dimensions, so it must be even"
+                f"model.head_dim: {head_dim} is odd; RoPE rotates pairs of dimensions, so it "
+                "must be even"
             )
+        if self.rope_scaling is not None:
+            self.rope_scaling.validate()
         kv = self.n_kv_head or self.n_head
         if self.n_head % kv:
             raise ConfigError(
@@ -884,6 +924,7 @@ def section_name(obj: Any) -> str:
         SftDataConfig: "sft_data", SftConfig: "sft", DpoConfig: "dpo",
         EvaluatePostConfig: "evaluate_post",
         LoraConfig: "lora",
+        RopeScalingConfig: "model.rope_scaling",
     }.get(type(obj), type(obj).__name__)
 
 

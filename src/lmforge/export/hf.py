@@ -1,7 +1,8 @@
-"""``lmforge export hf`` / ``lmforge import hf``: our model dir <-> a Llama-format folder.
+"""``lmforge export hf`` / ``lmforge import hf``: our model dir <-> a Hugging Face folder.
 
 Our model dir (``models/final``) holds ``model.safetensors``, ``config.json`` and
-``tokenizer.model``; a Hugging Face Llama folder holds ``config.json`` (a LlamaConfig),
+``tokenizer.model``; a Hugging Face folder of a Llama, Mistral, Qwen2 or Qwen3 model
+holds ``config.json`` (``export.hf_config`` maps it, and refuses what we do not compute),
 ``model.safetensors`` (or shards + ``model.safetensors.index.json``),
 ``generation_config.json`` and tokenizer files. The weights are the same tensors under
 other names, so both directions are exact.
@@ -33,7 +34,7 @@ from safetensors.torch import save_file
 from lmforge import __version__
 from lmforge.errors import InputError
 from lmforge.export.hf_config import from_hf_config, to_hf_config
-from lmforge.export.hf_names import our_name, to_hf_state
+from lmforge.export.hf_names import hf_name, our_name, to_hf_state
 from lmforge.export.hf_tokenizer import TOKENIZER_MODEL, read_proto, write_hf_tokenizer
 from lmforge.finetune.template import CHAT_TEMPLATE, END_MARKER, marker_ids
 from lmforge.io import atomic_dir, read_json_object, write_json
@@ -122,6 +123,7 @@ def import_hf(in_dir: str | Path, out_dir: str | Path, seq_len: int | None = Non
     state = _our_state(_read_hf_weights(in_dir), cfg.tie_embeddings, in_dir)
     with torch.device("meta"):
         model = Llama(cfg, vocab_size)
+    _check_tensor_names(state, model, in_dir, cfg_path)
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:
@@ -181,7 +183,7 @@ def _our_state(tensors: dict[str, torch.Tensor], tied: bool, in_dir: Path
             name = our_name(key)
         except KeyError:
             raise InputError(f"{in_dir}: tensor '{key}' has no counterpart in lmforge's "
-                             "Llama (biases and other extras are not supported)") from None
+                             "decoder (not a Llama, Mistral, Qwen2 or Qwen3 weight)") from None
         if name is not None:
             state[name] = value.float() if value.is_floating_point() else value
     if tied:
@@ -194,6 +196,21 @@ def _our_state(tensors: dict[str, torch.Tensor], tied: bool, in_dir: Path
         if emb is not None:
             state["lm_head.weight"] = emb
     return state
+
+
+def _check_tensor_names(state: dict[str, torch.Tensor], model: Llama, in_dir: Path,
+                        cfg_path: Path) -> None:
+    """The checkpoint's tensors are exactly those of the model its config.json describes;
+    one line naming the first that is not (in the checkpoint's own names)."""
+    expected = set(model.state_dict())
+    extra, missing = sorted(set(state) - expected), sorted(expected - set(state))
+    family = model.config.family
+    if extra:
+        raise InputError(f"{in_dir}: tensor '{hf_name(extra[0])}' does not belong to the "
+                         f"{family} model {cfg_path} describes")
+    if missing:
+        raise InputError(f"{in_dir}: no tensor '{hf_name(missing[0])}', which the {family} "
+                         f"model {cfg_path} describes has")
 
 
 def _special_ids(hf: dict[str, Any], tokenizer: Path | None) -> dict[str, int]:
@@ -251,7 +268,8 @@ def _sha256(path: Path) -> str:
 def cmd_export(args: argparse.Namespace) -> None:
     """``lmforge export hf OUT_DIR``."""
     out = export_hf(args.model, args.out_dir, force=args.force)
-    print(f"exported {args.model} -> {out} (transformers.LlamaForCausalLM.from_pretrained)")
+    cls = read_json_object(out / CONFIG)["architectures"][0]
+    print(f"exported {args.model} -> {out} (transformers.{cls}.from_pretrained)")
 
 
 def cmd_import(args: argparse.Namespace) -> None:
@@ -264,7 +282,8 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``export hf OUT_DIR [--model DIR] [--force]``."""
     export = subparsers.add_parser("export", help="export a trained model to another format")
     formats = export.add_subparsers(dest="format", required=True)
-    hf = formats.add_parser("hf", help="Hugging Face Llama format (LlamaForCausalLM)")
+    hf = formats.add_parser("hf", help="Hugging Face format (the model's family: Llama, "
+                                       "Mistral, Qwen2 or Qwen3)")
     hf.add_argument("out_dir", help="folder to write (replaced only if empty or an earlier "
                                     "export/import)")
     hf.add_argument("--model", default="models/final", help="our model folder")
@@ -277,7 +296,7 @@ def add_import_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``import hf IN_DIR --out DIR [--seq-len N] [--force]``."""
     imp = subparsers.add_parser("import", help="import a model from another format")
     formats = imp.add_subparsers(dest="format", required=True)
-    hf = formats.add_parser("hf", help="a Hugging Face Llama-format folder")
+    hf = formats.add_parser("hf", help="a Hugging Face folder (Llama, Mistral, Qwen2, Qwen3)")
     hf.add_argument("in_dir", help="folder with config.json + safetensors")
     # No default: the old one, models/final, is the train stage's output, which DVC
     # deletes before training and train.init_from refuses; the user names the folder.

@@ -1,4 +1,5 @@
-"""Parameter names: lmforge's ``Llama`` <-> Hugging Face's ``LlamaForCausalLM``.
+"""Parameter names: lmforge's ``Llama`` <-> Hugging Face's Llama, Mistral, Qwen2 and Qwen3
+(the same names in all four).
 
 No q/k permutation is needed: our RoPE uses the rotate-half layout (dimension i pairs
 with i + d/2), the same as Hugging Face's ``rotate_half``. (Meta's original checkpoints
@@ -18,6 +19,12 @@ _LAYER = {
     "attn.wk.weight": "self_attn.k_proj.weight",
     "attn.wv.weight": "self_attn.v_proj.weight",
     "attn.wo.weight": "self_attn.o_proj.weight",
+    # Qwen2's q/k/v biases, Qwen3's per-head q/k norms.
+    "attn.wq.bias": "self_attn.q_proj.bias",
+    "attn.wk.bias": "self_attn.k_proj.bias",
+    "attn.wv.bias": "self_attn.v_proj.bias",
+    "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
     "mlp_norm.weight": "post_attention_layernorm.weight",
     "mlp.w1.weight": "mlp.gate_proj.weight",
     "mlp.w3.weight": "mlp.up_proj.weight",

@@ -1,6 +1,9 @@
 """A Llama-style decoder in one file: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-Pre-norm blocks, no biases, optional tied embeddings. Attention goes through
+Pre-norm blocks, no biases, optional tied embeddings. The open families are options of the
+same block (``ModelConfig``): q/k/v biases (Qwen2), an RMSNorm on each query and key head
+before RoPE (Qwen3), a head width of its own (Qwen3), and Llama 3.1's RoPE frequency
+scaling; Mistral is the Llama block. Attention goes through
 ``F.scaled_dot_product_attention`` so PyTorch picks the fastest kernel (flash /
 memory-efficient on CUDA, a fused kernel on CPU). With ``positions`` (each token's offset
 in its document, from the loader) attention stops at document boundaries and RoPE
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lmforge.config import ModelConfig
+from lmforge.config import ModelConfig, RopeScalingConfig
 from lmforge.model import ops
 from lmforge.model.loss import cross_entropy, linear_cross_entropy
 
@@ -35,21 +38,49 @@ def ffn_hidden_size(cfg: ModelConfig) -> int:
 
 def param_count_formula(cfg: ModelConfig, vocab_size: int) -> int:
     """Parameter count of :class:`Llama` for ``cfg``, from the architecture alone."""
-    d, hd = cfg.n_embd, cfg.n_embd // cfg.n_head
+    d, hd = cfg.n_embd, cfg.head_size()
     kv = cfg.n_kv_head or cfg.n_head
     attn = d * cfg.n_head * hd + 2 * d * kv * hd + cfg.n_head * hd * d
+    if cfg.qkv_bias:
+        attn += (cfg.n_head + 2 * kv) * hd
+    if cfg.qk_norm:
+        attn += 2 * hd
     mlp = 3 * d * ffn_hidden_size(cfg)
     per_layer = attn + mlp + 2 * d  # two RMSNorm weights
     head = 0 if cfg.tie_embeddings else vocab_size * d
     return vocab_size * d + cfg.n_layer * per_layer + d + head
 
 
-def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables, each (seq_len, head_dim), for the rotate-half layout."""
+def rope_frequencies(head_dim: int, base: float,
+                     scaling: RopeScalingConfig | None = None) -> torch.Tensor:
+    """RoPE's inverse frequencies (head_dim / 2), in float64; with Llama 3.1 scaling,
+    long wavelengths stretched by ``factor`` and the middle band interpolated."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq
+    old = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    low, high = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    scaled = torch.where(wavelen > low, inv_freq / scaling.factor, inv_freq)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    between = (wavelen >= high) & (wavelen <= low)
+    return torch.where(between, (1 - smooth) * scaled / scaling.factor + smooth * scaled,
+                       scaled)
+
+
+def rope_tables(seq_len: int, head_dim: int, base: float,
+                scaling: RopeScalingConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each (seq_len, head_dim), for the rotate-half layout."""
+    inv_freq = rope_frequencies(head_dim, base, scaling)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
+
+
+def rope_tables_for(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RoPE tables of a model with config ``cfg`` (its context, head width, scaling)."""
+    return rope_tables(cfg.seq_len, cfg.head_size(), cfg.rope_base, cfg.rope_scaling)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -105,25 +136,31 @@ class KVCache:
         """Buffers for ``model.config.seq_len`` positions."""
         cfg = model.config
         kv = cfg.n_kv_head or cfg.n_head
-        shape = (batch_size, kv, cfg.seq_len, cfg.n_embd // cfg.n_head)
+        shape = (batch_size, kv, cfg.seq_len, cfg.head_size())
         return cls([torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)],
                    [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)])
 
 
 class Attention(nn.Module):
-    """Causal self-attention with RoPE and grouped-query key/value heads."""
+    """Causal self-attention with RoPE and grouped-query key/value heads; optionally
+    q/k/v biases (Qwen2) and an RMSNorm on each query and key head before RoPE (Qwen3)."""
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
         self.n_head = cfg.n_head
         self.n_kv_head = cfg.n_kv_head or cfg.n_head
-        self.head_dim = cfg.n_embd // cfg.n_head
+        self.head_dim = cfg.head_size()
         self.dropout = cfg.dropout
-        self.wq = nn.Linear(cfg.n_embd, self.n_head * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.n_embd, self.n_kv_head * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        bias = cfg.qkv_bias
+        self.wq = nn.Linear(cfg.n_embd, self.n_head * self.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.n_embd, self.n_kv_head * self.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.n_embd, self.n_kv_head * self.head_dim, bias=bias)
         self.wo = nn.Linear(self.n_head * self.head_dim, cfg.n_embd, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,7 +171,10 @@ class Attention(nn.Module):
         # and k together. The weights stay three parameters, so checkpoints, safetensors
         # and the Hugging Face export keep their names.
         qkv = fused_linear(x, (self.wq, self.wk, self.wv)).view(B, T, H + 2 * KV, D)
-        qk = apply_rope(qkv[:, :, :H + KV], cos, sin)
+        qk = qkv[:, :, :H + KV]
+        if self.qk_norm:  # per head, before RoPE (Qwen3)
+            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
+        qk = apply_rope(qk, cos, sin)
         q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
         v = qkv[:, :, H + KV:].transpose(1, 2)
         causal = mask is None
@@ -170,7 +210,11 @@ def fused_linear(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> torch.Tensor
     gradient product.
     """
     weights = [getattr(m, "base", m).weight for m in layers]
-    out = F.linear(x, torch.cat(weights))
+    biases = [getattr(m, "base", m).bias for m in layers]
+    bias = (torch.cat([b if b is not None else w.new_zeros(w.shape[0])
+                       for b, w in zip(biases, weights, strict=True)])
+            if any(b is not None for b in biases) else None)
+    out = F.linear(x, torch.cat(weights), bias)
     if not any(hasattr(m, "delta") for m in layers):
         return out
     parts, start = [], 0
@@ -216,13 +260,16 @@ class Block(nn.Module):
 
 @torch.no_grad()
 def init_parameter(name: str, p: torch.Tensor, n_layer: int) -> None:
-    """N(0, 0.02), norms at 1, residual output projections at 0.02/sqrt(2 n_layer).
+    """N(0, 0.02), norms at 1, biases at 0, residual output projections at
+    0.02/sqrt(2 n_layer).
 
     One parameter at a time, so a sharded model can be initialised tensor by tensor
     with the same values (lmforge.train.fsdp.build_sharded)."""
     std = 0.02
     if name.endswith("norm.weight"):
         nn.init.ones_(p)
+    elif name.endswith(".bias"):
+        nn.init.zeros_(p)
     elif name.endswith(("attn.wo.weight", "mlp.w2.weight")):
         nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * n_layer))
     else:
@@ -251,7 +298,7 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.seq_len, cfg.n_embd // cfg.n_head, cfg.rope_base)
+        cos, sin = rope_tables_for(cfg)
         # Non-persistent: derived from the config, so not in checkpoints or safetensors.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -272,7 +319,7 @@ class Llama(nn.Module):
         n = self.num_params()
         if not cfg.tie_embeddings:
             n -= self.tok_embeddings.weight.numel()  # a lookup, not a matmul
-        return 6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+        return 6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_size() * cfg.seq_len
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 cache: KVCache | None = None, positions: torch.Tensor | None = None,

@@ -324,7 +324,7 @@ def lora_param_count_formula(cfg: Any, vocab_size: int, rank: int,
     """Adapter parameters ``r * (in + out)`` summed over targets, from the config alone."""
     from lmforge.model.llama import ffn_hidden_size
 
-    d, hd = cfg.n_embd, cfg.n_embd // cfg.n_head
+    d, hd = cfg.n_embd, cfg.head_size()
     q, kv, ff = cfg.n_head * hd, (cfg.n_kv_head or cfg.n_head) * hd, ffn_hidden_size(cfg)
     shapes = {"wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
               "w1": (d, ff), "w3": (d, ff), "w2": (ff, d)}

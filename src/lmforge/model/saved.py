@@ -153,6 +153,6 @@ def extend_context(model: Llama, seq_len: int) -> Llama:
 
 
 def _rope_buffers(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    from lmforge.model.llama import rope_tables
+    from lmforge.model.llama import rope_tables_for
 
-    return rope_tables(cfg.seq_len, cfg.n_embd // cfg.n_head, cfg.rope_base)
+    return rope_tables_for(cfg)

@@ -41,6 +41,10 @@ NON_RUN_KEYS = frozenset({
     "init_from",
 })
 _REQUIRED = ("format", "fingerprint", "step", "model", "optimizer", "ranks", "progress")
+# Model keys added with the open families, at the values every earlier run had: left out
+# of a run's identity when so, so a run started before they existed resumes after.
+_LATER_MODEL_KEYS = {"family": "llama", "head_dim": None, "qkv_bias": False,
+                     "qk_norm": False, "rope_scaling": None}
 
 
 def run_identity(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int,
@@ -55,8 +59,10 @@ def run_identity(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int
     (pretraining runs record no stage, so their identities are as before).
     """
     train = {k: v for k, v in dataclasses.asdict(train_cfg).items() if k not in NON_RUN_KEYS}
+    model = {k: v for k, v in dataclasses.asdict(model_cfg).items()
+             if k not in _LATER_MODEL_KEYS or v != _LATER_MODEL_KEYS[k]}
     blob = {
-        "model": dataclasses.asdict(model_cfg),
+        "model": model,
         "train": train,
         # The process count, not train.nproc: a multi-node torchrun sets its own.
         "world_size": world_size,

@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lmforge.config import LoraConfig, ModelConfig
-from lmforge.model.llama import Llama, init_parameter, rope_tables
+from lmforge.model.llama import Llama, init_parameter, rope_tables_for
 from lmforge.model.lora import apply_lora, lora_modules, lora_settings
 from lmforge.train.distributed import DistEnv
 
@@ -117,7 +117,7 @@ def build_sharded(cfg: ModelConfig, vocab_size: int, env: DistEnv, bf16: bool,
         _fill_chunk(layer.lora_b, env, lambda lo, hi, b=layer.lora_b: torch.zeros(
             hi - lo, *b.shape[1:]))
     # Buffers are derived from the config: compute them where the model now lives.
-    cos, sin = rope_tables(cfg.seq_len, cfg.n_embd // cfg.n_head, cfg.rope_base)
+    cos, sin = rope_tables_for(cfg)
     model.rope_cos, model.rope_sin = cos.to(env.device), sin.to(env.device)
     return model
 

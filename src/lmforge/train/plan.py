@@ -93,11 +93,15 @@ class Setup:
 def param_shapes(cfg: ModelConfig, vocab: int) -> tuple[list[tuple[int, ...]],
                                                         list[tuple[int, ...]]]:
     """Shapes of the root's parameters (embedding, final norm, untied head) and one block's."""
-    d, hd = cfg.n_embd, cfg.n_embd // cfg.n_head
+    d, hd = cfg.n_embd, cfg.head_size()
     kv, f = cfg.n_kv_head or cfg.n_head, ffn_hidden_size(cfg)
     root = [(vocab, d), (d,)] + ([] if cfg.tie_embeddings else [(vocab, d)])
     block = [(d,), (cfg.n_head * hd, d), (kv * hd, d), (kv * hd, d), (d, cfg.n_head * hd),
              (d,), (f, d), (f, d), (d, f)]
+    if cfg.qkv_bias:
+        block += [(cfg.n_head * hd,), (kv * hd,), (kv * hd,)]
+    if cfg.qk_norm:
+        block += [(hd,), (hd,)]
     return root, block
 
 
@@ -123,7 +127,7 @@ def num_params(cfg: ModelConfig, vocab: int) -> int:
 def fused_weight_params(cfg: ModelConfig) -> int:
     """Per block, the weights ``fused_linear`` concatenates: q|k|v and gate|up."""
     d, kv = cfg.n_embd, cfg.n_kv_head or cfg.n_head
-    return d * (cfg.n_head + 2 * kv) * (d // cfg.n_head) + 2 * d * ffn_hidden_size(cfg)
+    return d * (cfg.n_head + 2 * kv) * cfg.head_size() + 2 * d * ffn_hidden_size(cfg)
 
 
 def cached_weight_params(cfg: ModelConfig) -> int:
@@ -307,7 +311,7 @@ def activation_bytes_per_seq(s: Setup, strategy: str) -> int:
     per_token = blocks + r * cfg.n_embd + 4 + 8 + loss_activation_bytes(s, strategy)
     total = seq * per_token
     if cfg.doc_mask:
-        total += seq * seq + 8 * (cfg.n_embd // cfg.n_head) * seq + mask_layers * a * seq * seq
+        total += seq * seq + 8 * cfg.head_size() * seq + mask_layers * a * seq * seq
     return total
 
 
