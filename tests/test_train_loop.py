@@ -597,15 +597,20 @@ def test_init_from_starts_from_saved_weights_and_checks_them(inputs, tmp_path):
     assert cont.metrics["val_loss"] == pytest.approx(base.metrics["val_loss"], abs=1e-6)
     assert cont.metrics["val_loss"] < fresh.metrics["val_loss"] - 0.1
 
-    # A longer context is fine (RoPE has no learned positions); another width is not.
+    # The run's context is its own (RoPE has no learned positions); the architecture is
+    # the source's, and a line names the model keys of params.yaml it does not use.
     longer = tiny_params(max_steps=1, eval_every=0, init_from=str(saved))
     longer.model.seq_len = 48
-    run(longer, inputs, tmp_path / "d")
+    logs.clear()
+    assert run(longer, inputs, tmp_path / "d", logs).model.config.seq_len == 48
+    assert not any("are not used" in line for line in logs), logs
     wider = tiny_params(max_steps=1, eval_every=0, init_from=str(saved))
-    wider.model.n_embd = 128
-    with pytest.raises(InputError, match=r"train.init_from: .* has model.n_embd 64, "
-                                         r"params.yaml 128$"):
-        run(wider, inputs, tmp_path / "e")
+    wider.model.n_embd, wider.model.n_layer = 128, 3
+    logs.clear()
+    adopted = run(wider, inputs, tmp_path / "e", logs).model.config
+    assert (adopted.n_embd, adopted.n_layer) == (64, 2)
+    assert any(line.endswith("params.yaml's model.n_layer, model.n_embd are not used")
+               for line in logs), logs
     other_tok = tmp_path / "other-tokenizer"
     save_model(base.model, other_tok, tokenizer_sha256="u" * 64)
     with pytest.raises(InputError, match="set tokenizer.init_from"):
@@ -625,6 +630,24 @@ def test_init_from_starts_from_saved_weights_and_checks_them(inputs, tmp_path):
     with pytest.raises(InputError, match="(?i)init_from: .*nothing.*: no such file or directory"):
         run(tiny_params(max_steps=1, init_from=str(tmp_path / "nothing")), inputs,
             tmp_path / "g")
+
+
+def test_init_from_a_model_with_padded_embeddings_keeps_its_rows(inputs, tmp_path):
+    """Qwen pads its embedding past the tokenizer's ids: the run keeps the rows; a model
+    with fewer rows than the tokenizer has ids is refused."""
+    from lmforge.model.saved import save_model
+
+    cfg = tiny_params().model
+    for vocab in (320, 280):
+        torch.manual_seed(0)
+        save_model(Llama(cfg, vocab), tmp_path / f"v{vocab}", tokenizer_sha256="t" * 64)
+    result = run(tiny_params(max_steps=2, eval_every=0, init_from=str(tmp_path / "v320")),
+                 inputs, tmp_path / "a")
+    assert result.model.vocab_size == 320 and math.isfinite(result.metrics["val_loss"])
+    with pytest.raises(InputError, match=r"^train.init_from: .*v280 has vocab_size 280, "
+                                         r"the shards 300"):
+        run(tiny_params(max_steps=2, init_from=str(tmp_path / "v280")), inputs,
+            tmp_path / "b")
 
 
 def test_init_from_new_weights_under_the_same_path_are_not_resumed(inputs, tmp_path):

@@ -28,7 +28,7 @@ from lmforge.train.pipeline import failing_run_on_error, history_tsv, relaunched
 from lmforge.train.precision import resolve_precision
 from lmforge.train.preference import DpoObjective
 from lmforge.train.sft import base_config, save_tuned
-from lmforge.train.warm_start import ensure_outside
+from lmforge.train.warm_start import ensure_outside, source_architecture
 
 DPO_TSV_COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "reward_margin",
                    "pref_accuracy", "reward_chosen", "reward_rejected", "logp_chosen",
@@ -94,7 +94,8 @@ def make_objective(params: Params, run_params: Params, data: TrainData, env: Any
         # Built on meta and filled with this rank's rows of the weights file, as the
         # policy is, without the init draws that keep the policy's generator in step.
         ensure_process_group(env)
-        reference = build_sharded(run_params.model, int(data.train.vocab_size), env, bf16,
+        vocab = source_architecture(source, "dpo.init_from")[1]  # the policy's, as loaded
+        reference = build_sharded(run_params.model, vocab, env, bf16,
                                   weights=source / WEIGHTS, keep_rng=False)
         reference.requires_grad_(False).eval()
     else:

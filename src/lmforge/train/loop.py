@@ -50,6 +50,7 @@ from lmforge.train.replay import ReplayLoader
 from lmforge.train.schedule import lr_at
 from lmforge.train.telemetry import NullRun, format_duration, memory_mb, open_run, peak_flops
 from lmforge.train.warm_start import (
+    adopt_architecture,
     check_model_dir,
     ensure_outside,
     warm_start,
@@ -146,7 +147,7 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     and logged as MLflow text artifacts (``decode`` turns ids back into text). ``stage``
     names the MLflow run's stage (``train`` or ``sft``).
     """
-    cfg, mcfg = params.train, params.model
+    cfg = params.train
     device = env.device
     checkpoint_dir = Path(checkpoint_dir)
     vocab = int(data.train.vocab_size)
@@ -154,6 +155,13 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
         raise InputError(f"train shards have vocab_size {vocab} but val shards "
                          f"{data.val.vocab_size}; rebuild the shards")
     log = log if env.is_main else _silent
+    key = f"{section_name(cfg)}.init_from"  # train, sft or dpo: what messages name
+    if cfg.init_from:  # the architecture (and vocabulary) of the weights it starts from
+        model_cfg, vocab, note = adopt_architecture(params.model, vocab, cfg.init_from, key)
+        params = dataclasses.replace(params, model=model_cfg)
+        if note:
+            log(note)
+    mcfg = params.model
 
     make_reproducible(device)
     precision = resolve_precision(cfg.precision, device)
@@ -170,7 +178,6 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     objective = data.objective or NextToken()
     loader = objective.make_loader(data, mcfg.seq_len, micro_batch, cfg.seed, env,
                                    mcfg.doc_mask)
-    key = f"{section_name(cfg)}.init_from"  # train, sft or dpo: what messages name
     if cfg.init_from:  # runs prune their own old checkpoints (keep_last)
         ensure_outside(cfg.init_from, checkpoint_dir, "where runs prune their checkpoints", key)
     identity = ckpt.run_identity(mcfg, cfg, env.world_size, data.train.manifest,

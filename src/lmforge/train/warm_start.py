@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from lmforge.config import ModelConfig
+from lmforge.config import ModelConfig, from_dict
 from lmforge.errors import InputError
 from lmforge.model.llama import Llama
 from lmforge.model.saved import WEIGHTS, load_model, read_config
@@ -51,6 +51,55 @@ def weights_sha256(source: str | Path, key: str = TRAIN_KEY) -> str:
     except OSError as e:
         raise InputError(f"{key}: {path}: {e.strerror or e}") from None
     return h.hexdigest()
+
+
+def source_architecture(source: str | Path, key: str = TRAIN_KEY
+                        ) -> tuple[ModelConfig, int]:
+    """(model config, vocab size) of the weights ``source`` holds: a model directory's
+    ``config.json``, or a ``step-*.pt`` checkpoint's recorded config (memory-mapped, so
+    its tensors are not read)."""
+    path = Path(source)
+    if not path.exists():
+        raise InputError(f"{key}: {source}: no such file or directory")
+    try:
+        if path.is_dir():
+            cfg, vocab, _ = read_config(path)
+            return cfg, vocab
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        cfg = from_dict(ModelConfig, state["model_config"], "model.")
+        return cfg, int(state["vocab_size"])
+    except InputError as e:
+        raise InputError(f"{key}: {e}") from None
+    except Exception as e:  # torch.load raises many kinds for a file that is not its own
+        first = (str(e).strip().splitlines() or [""])[0][:120]
+        raise InputError(f"{key}: {path}: not a model directory or full checkpoint "
+                         f"({type(e).__name__}: {first})") from None
+
+
+def adopt_architecture(ours: ModelConfig, shard_vocab: int, source: str | Path,
+                       key: str = TRAIN_KEY) -> tuple[ModelConfig, int, str | None]:
+    """The run's architecture when it starts from ``source``: the source's, with the
+    run's own context length, dropout and document masking (RoPE has no learned
+    positions). So a model section need not restate an imported model's 16 keys.
+
+    Returns (config, vocab size, a note naming the params.yaml model keys that differ
+    from the source and so are not used, or None). The vocabulary is the source's: an
+    embedding may have more rows than the tokenizer has ids (Qwen pads to a multiple of
+    128), never fewer.
+    """
+    theirs, vocab = source_architecture(source, key)
+    if vocab < shard_vocab:
+        raise InputError(f"{key}: {source} has vocab_size {vocab}, the shards "
+                         f"{shard_vocab}: the tokenizer has ids the model has no row for")
+    adopted = dataclasses.replace(theirs, **{f: getattr(ours, f) for f in _FREE})
+    mine, other = dataclasses.asdict(ours), dataclasses.asdict(adopted)
+    for fields, n_head in ((mine, ours.n_head), (other, theirs.n_head)):
+        fields["n_kv_head"] = fields["n_kv_head"] or n_head  # unset = one per query head
+    ignored = [f"model.{f}" for f in mine if mine[f] != other[f]]
+    note = (f"train: the architecture is {source}'s ({theirs.family}, {theirs.n_layer} "
+            f"layers, {theirs.n_embd} wide); params.yaml's {', '.join(ignored)} "
+            "are not used") if ignored else None
+    return adopted, vocab, note
 
 
 def warm_start(model: Llama, source: str | Path, tokenizer_sha256: str,
