@@ -109,7 +109,7 @@ class FakeDvc:
 
 def today_key(p) -> str:
     """The settings key of the sweep ``p`` asks for, in the workspace as it is."""
-    return sweep.sweep_settings(p.mix_sweep, sweep.sweep_tokenizer(p.mix_sweep.name))[0]
+    return sweep.sweep_settings(p, sweep.sweep_tokenizer(p.mix_sweep.name))[0]
 
 
 def test_a_rerun_queues_only_the_proxies_not_done_and_retries_the_failed(workspace,
@@ -138,7 +138,11 @@ def test_a_rerun_queues_only_the_proxies_not_done_and_retries_the_failed(workspa
     assert f"tokenizer.init_from={frozen}" in sets
     assert frozen.read_bytes() == b"sp-model"
     assert {"model.n_layer=2", "train.max_steps=150", "train.compile=false",
-            "evaluate.max_batches=32"} <= set(sets)
+            "evaluate.max_batches=32", "train.warmup=0.05"} <= set(sets)
+    # A warmup in steps is the real run's share of its steps for the proxy: 40 of its
+    # 150 would be most of it, and the whole of a shorter one.
+    p.train = dataclasses.replace(p.train, warmup=50, max_steps=500)
+    assert "train.warmup=0.1" in sweep.proxy_sets(p, frozen)
 
 
 def test_the_frozen_tokenizer_outlives_a_new_workspace_tokenizer(workspace, monkeypatch):
@@ -241,7 +245,7 @@ def recorded_params(p) -> dict:
     sweep's overrides."""
     raw = yaml.safe_load(Path("params.yaml").read_text(encoding="utf-8"))
     raw["mix_sweep"].update({n: getattr(p.mix_sweep, n) for n in sweep.SAMPLING})
-    for override in sweep.proxy_sets(p.mix_sweep, sweep.sweep_tokenizer(p.mix_sweep.name)):
+    for override in sweep.proxy_sets(p, sweep.sweep_tokenizer(p.mix_sweep.name)):
         key, _, text = override.partition("=")
         *parents, leaf = key.split(".")
         node = raw

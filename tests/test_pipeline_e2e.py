@@ -368,6 +368,7 @@ def test_mix_sweep_queues_proxies_that_rerun_only_mix_to_evaluate_and_fits(pipel
                                       encoding="utf-8")
     out = run(["lmforge", "mix", "sweep"], root, env)
     assert "3 proxies queued, 0 already there" in out, out
+    assert "did not succeed" not in out, out
     key = re.search(r"settings ([0-9a-f]{8}): ", out).group(1)
     names = [f"mixsweep-{key}-{i:02d}" for i in range(3)]
     shown = json.loads(run(["dvc", "exp", "show", "--json"], root, env))
@@ -375,9 +376,9 @@ def test_mix_sweep_queues_proxies_that_rerun_only_mix_to_evaluate_and_fits(pipel
              for r in e["revs"]}
     frozen = str(root / "models" / "mix_sweep" / "mixsweep" / "tokenizer.model")
     sweep_weights = []
-    cfg = load_params(root / "params.yaml").mix_sweep
-    today = sweep.proxy_settings(params, sweep.proxy_sets(cfg, Path(frozen)), cfg,
-                                 Path(frozen))
+    loaded = load_params(root / "params.yaml")
+    today = sweep.proxy_settings(params, sweep.proxy_sets(loaded, Path(frozen)),
+                                 loaded.mix_sweep, Path(frozen))
     assert sweep.settings_key(today) == key
     for name in names:
         assert name in found, sorted(found)

@@ -74,13 +74,14 @@ def val_bpb(eval_metrics: dict[str, Any], where: str) -> dict[str, float]:
         raise InputError(f"{where}: {EVAL} has no val.domains.<domain>.bits_per_byte") from None
 
 
-def collect(cfg: MixSweepConfig, domains: list[str],
+def collect(params: Params, domains: list[str],
             log: Callable[[str], None] = print) -> Proxies:
     """Every finished proxy of the sweep with today's settings, as ``dvc exp show`` lists
     them (also those a ``mix sweep --proxies N`` added beyond mix_sweep.proxies). Proxies
     of the sweep trained with other settings are left out, and a line says how many and
     what differs: a fit over both would mix losses of different runs."""
-    key, settings = sweep_settings(cfg, sweep_tokenizer(cfg.name))
+    cfg = params.mix_sweep
+    key, settings = sweep_settings(params, sweep_tokenizer(cfg.name))
     found = experiments()
     finished = sorted(n for n, e in found.items() if e["state"] == "success")
     ours = re.compile(rf"{re.escape(cfg.name)}-{key}-\d{{2,}}")
@@ -150,7 +151,7 @@ def run_fit(params: Params, log: Callable[[str], None] = print) -> FitReport:
     """Fit, search, write the outputs, log them to MLflow; the report."""
     cfg = params.mix_sweep
     sizes = domain_sizes()
-    proxies = collect(cfg, sizes.domains, log)
+    proxies = collect(params, sizes.domains, log)
     log(f"mix fit: {len(proxies.names)} proxies, {len(sizes.domains)} domains, "
         f"objective {cfg.objective}")
     total = sum(params.mix.weights.values())

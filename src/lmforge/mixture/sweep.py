@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from lmforge.config import MixSweepConfig, Params
+from lmforge.config import MixSweepConfig, Params, TrainConfig
 from lmforge.errors import InputError
 from lmforge.experiments import (
     dvc,
@@ -184,15 +184,26 @@ def read_params_yaml(path: Path = PARAMS) -> dict[str, Any]:
         raise InputError(f"{path}: missing; run lmforge from the repository root") from None
 
 
-def sweep_settings(cfg: MixSweepConfig, tokenizer: Path) -> tuple[str, dict[str, Any]]:
-    """(key, settings) of today's sweep ``cfg`` with its frozen ``tokenizer``."""
-    settings = proxy_settings(read_params_yaml(), proxy_sets(cfg, tokenizer), cfg, tokenizer)
+def sweep_settings(params: Params, tokenizer: Path) -> tuple[str, dict[str, Any]]:
+    """(key, settings) of today's sweep (``params.mix_sweep``) with its frozen
+    ``tokenizer``."""
+    cfg = params.mix_sweep
+    settings = proxy_settings(read_params_yaml(), proxy_sets(params, tokenizer), cfg, tokenizer)
     return settings_key(settings), settings
 
 
-def proxy_sets(cfg: MixSweepConfig, tokenizer: Path) -> list[str]:
+def proxy_warmup(train: TrainConfig) -> float:
+    """The proxies' warmup: the real run's share of its steps (a warmup given in steps
+    could be as long as a proxy's whole run)."""
+    return train.warmup if train.warmup < 1 else train.warmup / train.max_steps
+
+
+def proxy_sets(params: Params, tokenizer: Path) -> list[str]:
     """The ``-S`` overrides every proxy shares: model, budget, no extras, frozen tokenizer."""
-    return [f"model.{k}={v}" for k, v in cfg.proxy_model.items()] + [f"train.max_steps={cfg.max_steps}", f"train.micro_batch_size={cfg.micro_batch_size}",
+    cfg = params.mix_sweep
+    return [f"model.{k}={v}" for k, v in cfg.proxy_model.items()] + [
+             f"train.max_steps={cfg.max_steps}", f"train.micro_batch_size={cfg.micro_batch_size}",
+             f"train.warmup={proxy_warmup(params.train):.6g}",
              "train.grad_accum_steps=1", "train.nproc=1", "train.probe_micro_batch=false",
              # Compiling costs more than a proxy's whole run; cadences change no result.
              "train.compile=false", "train.eval_every=0", "train.sample_every=0",
@@ -250,15 +261,15 @@ def run_sweep(params: Params, jobs: int | None = None, dry_run: bool = False,
     sizes = domain_sizes()
     mixtures = proxy_mixtures(cfg, sizes)
     if dry_run:  # the names and mixtures it would queue; nothing frozen or queued
-        key, _ = sweep_settings(cfg, sweep_tokenizer(cfg.name))
+        key, _ = sweep_settings(params, sweep_tokenizer(cfg.name))
         names = [proxy_name(cfg, key, i) for i in range(cfg.proxies)]
         for name, mixture in zip(names, mixtures, strict=True):
             log(f"{name}: " + " ".join(weight_sets(sizes.domains, mixture)))
         return names
     check_upstream()
     tokenizer = freeze_tokenizer(cfg.name, log)
-    shared = proxy_sets(cfg, tokenizer)
-    key, _ = sweep_settings(cfg, tokenizer)
+    shared = proxy_sets(params, tokenizer)
+    key, _ = sweep_settings(params, tokenizer)
     names = [proxy_name(cfg, key, i) for i in range(cfg.proxies)]
     done = {n: e["state"] for n, e in experiments().items() if n in names}
     queued = 0
