@@ -9,7 +9,6 @@ import yaml
 from test_train_loop import CPU, REPO, make_inputs, open_data, tiny_params
 
 from lmforge.cli import main
-from lmforge.shards.format import file_sha256
 from lmforge.tokenizer.files import tokenizer_sha256
 from lmforge.train import runs
 from lmforge.train.loop import train

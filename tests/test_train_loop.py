@@ -25,9 +25,8 @@ from lmforge.errors import ConfigError, InputError, LmforgeError
 from lmforge.model import Llama, load_model
 from lmforge.model import llama as llama_module
 from lmforge.shards import ShardSet, WindowLoader, eval_batches
-from lmforge.shards.format import file_sha256
-from lmforge.tokenizer.files import tokenizer_sha256
 from lmforge.shards.writer import write_shards
+from lmforge.tokenizer.files import tokenizer_sha256
 from lmforge.train import checkpoint as ckpt
 from lmforge.train import runs
 from lmforge.train.compiler import compile_support, resolve_compile
