@@ -13,7 +13,7 @@ from lmforge.finetune.build_pairs import build_pairs
 from lmforge.io import write_json
 from lmforge.stage import run_stage
 
-TOKENIZER = Path("models/tokenizer/tokenizer.model")
+TOKENIZER = Path("models/tokenizer")  # the tokenizer stage's folder, either backend
 OUT = Path("data/dpo")
 
 

@@ -34,7 +34,7 @@ def main(params: Params) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     amp = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else None
     model, _ = load_model(FINAL, device=device)
-    tokenizer = Tokenizer.load(FINAL / "tokenizer.model")
+    tokenizer = Tokenizer.load(FINAL)  # the tokenizer beside the model
     seq_len = model.config.seq_len
     started = time.perf_counter()
 

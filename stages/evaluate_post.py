@@ -129,7 +129,7 @@ def main(params: Params) -> None:
     longest = max(m.config.seq_len for m in models.values())
     for m in models.values():
         extend_context(m, longest)
-    tok = Tokenizer.load(TUNED["sft"] / "tokenizer.model")
+    tok = Tokenizer.load(TUNED["sft"])
 
     scores = {name: task_scores(m, tok, params, device) for name, m in models.items()}
     ev = params.evaluate

@@ -14,7 +14,7 @@ from lmforge.stage import run_stage
 def main(params: Params) -> None:
     root = Path()  # relative: a queued experiment runs in a temp copy of the repo
     executor = make_executor(params.executor, params.shards.num_workers)
-    metrics = build_shards(root / "data/mixed", root / "models/tokenizer/tokenizer.model",
+    metrics = build_shards(root / "data/mixed", root / "models/tokenizer",
                            root / "data/shards", params.shards, executor)
     write_json(root / "metrics/shards.json", metrics)
     for split in ("train", "val"):

@@ -9,7 +9,7 @@ import yaml
 from test_train_loop import CPU, REPO, make_inputs, open_data, tiny_params
 
 from lmforge.cli import main
-from lmforge.shards.format import file_sha256
+from lmforge.tokenizer.files import tokenizer_sha256
 from lmforge.train import runs
 from lmforge.train.loop import train
 
@@ -20,7 +20,7 @@ TRAIN_A = dict(max_steps=10, eval_every=0, warmup=3.0)  # as params.yaml loads i
 def repo(tmp_path, monkeypatch):
     """A workspace with shards, params.yaml for run A, and runs A and B trained."""
     paths = make_inputs(tmp_path)
-    sha = file_sha256(paths.tokenizer)
+    sha = tokenizer_sha256(paths.tokenizer)
     params = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
     a = tiny_params(**TRAIN_A)
     params["model"] = {"n_layer": 2, "n_head": 4, "n_embd": 64, "seq_len": 32}

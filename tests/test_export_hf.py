@@ -283,8 +283,8 @@ def test_import_replaces_an_earlier_import_or_export_or_with_force(tmp_path, sp_
     import_hf(src, out, seq_len=32)  # an earlier import: replaced
     assert load_model(out)[0].config.seq_len == 32
     exported = export_hf(out, tmp_path / "exported")
-    import_hf(src, exported)  # an earlier export is ours too
-    assert not (exported / "generation_config.json").exists()
+    import_hf(src, exported)  # an earlier export is ours too: replaced whole
+    assert not (exported / "special_tokens_map.json").exists()
     trained = make_model_dir(tmp_path / "final", sp_path)
     import_hf(src, trained, force=True)
     assert json.loads((trained / ".lmforge-export").read_text())["command"] == "import hf"

@@ -25,12 +25,14 @@ from lmforge.shards.encode import (
     MIN_CHUNK_CHARS,
     cut_rows,
     encode_rows,
-    encode_texts,
     plan_tasks,
     split_chunk_chars,
     text_bytes_per_group,
 )
 from lmforge.tokenizer import Tokenizer
+from lmforge.tokenizer import spm as sp_backend
+from lmforge.tokenizer.spm import SentencePieceTokenizer
+from lmforge.tokenizer.spm import sp_encode_arrays as encode_texts
 from lmforge.tokenizer.train import train_model
 
 PIECES = ["alpha ", "beta", "数据", "    return x\n", "\t", "😀", "\n", "Ω", "\x07"]
@@ -60,7 +62,7 @@ def corpus(tmp_path_factory) -> tuple[list[Path], list[str], list[str], Tokenize
     model, _ = train_model(texts, TokenizerConfig(vocab_size=300, num_threads=1))
     model_path = root / "tokenizer.model"
     model_path.write_bytes(model)
-    return parts, texts, domains, Tokenizer(model), model_path
+    return parts, texts, domains, SentencePieceTokenizer(model), model_path
 
 
 def tasks_for(corpus, chunk_chars: int | None = 3000, bos: bool = True, eos: bool = True):
@@ -220,10 +222,10 @@ def test_a_task_imports_no_pandas(corpus):
 def test_model_loads_once_per_process(corpus, tmp_path, monkeypatch):
     _, texts, _, _, _ = corpus
     other, _ = train_model(texts, TokenizerConfig(vocab_size=400, num_threads=1))
-    new = Tokenizer(other)
+    new = SentencePieceTokenizer(other)
     loads = []
-    real = encode.spm.SentencePieceProcessor
-    monkeypatch.setattr(encode.spm, "SentencePieceProcessor",
+    real = sp_backend.spm.SentencePieceProcessor
+    monkeypatch.setattr(sp_backend.spm, "SentencePieceProcessor",
                         lambda: loads.append(1) or real())
     monkeypatch.setattr(encode, "_MODELS", {})
     for t in tasks_for(corpus):

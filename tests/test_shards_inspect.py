@@ -13,6 +13,7 @@ from lmforge.errors import InputError
 from lmforge.shards.inspect import add_inspect_parser, inspect_shards
 from lmforge.shards.writer import write_shards
 from lmforge.tokenizer import Tokenizer
+from lmforge.tokenizer.spm import SentencePieceTokenizer
 from lmforge.tokenizer.train import train_model
 
 DOCS = {"code": ["def f(x):\n\treturn x  # two spaces\n"] * 3,
@@ -29,7 +30,7 @@ def repo(tmp_path_factory) -> tuple[Path, Tokenizer]:
     tok_path = root / "models" / "tokenizer" / "tokenizer.model"
     tok_path.parent.mkdir(parents=True)
     tok_path.write_bytes(model)
-    tok = Tokenizer(model)
+    tok = SentencePieceTokenizer(model)
     names = list(DOCS)
     docs, domains = [], []
     for code, name in enumerate(names):

@@ -11,6 +11,7 @@ import pytest
 
 from lmforge.config import TokenizerConfig
 from lmforge.tokenizer import Tokenizer
+from lmforge.tokenizer.spm import SentencePieceTokenizer
 from lmforge.tokenizer.train import train_model
 
 DEMO = Path(__file__).resolve().parents[1] / "data" / "raw" / "demo"
@@ -39,7 +40,7 @@ def docs_and_tok() -> tuple[dict[str, list[str]], Tokenizer]:
     seen = [t for texts in docs.values() for t in texts[:DOCS_PER_DOMAIN // 2]]
     model, _ = train_model(seen, TokenizerConfig(vocab_size=2000, character_coverage=0.995,
                                                  num_threads=1))
-    return docs, Tokenizer(model)
+    return docs, SentencePieceTokenizer(model)
 
 
 def test_every_demo_domain_round_trips(docs_and_tok):

@@ -15,6 +15,7 @@ from lmforge.errors import ConfigError, InputError
 from lmforge.tokenizer import Tokenizer
 from lmforge.tokenizer.build import build_tokenizer
 from lmforge.tokenizer.sample import balanced_sample
+from lmforge.tokenizer.spm import SentencePieceTokenizer
 from lmforge.tokenizer.train import sentence_pieces, train_model
 
 CJK = "的一是不了人我在有他这中大来上国个到说们为子和你地出道也时年得就那要下以生会自着去之过家学对可她里后小么心多天而能好都然没日于起还发成事只作当想看文无开手十用主行方又如前所本见经头面公同三已老从动两长知民样现分将外但身些与高意进把法此实回二理美点月明其"  # noqa: E501
@@ -236,7 +237,7 @@ def test_unknown_and_byte_fallback_rates(tmp_path, byte_fallback):
     model, _ = train_model(["abc abd bcd dab cab " * 20] * 20, cfg)
     pq.write_table(pa.table({"id": ["0"], "text": ["abc 数据 xyz"], "domain": ["d"]}),
                    tmp_path / "part-00000.parquet")
-    stats = heldout_stats(Tokenizer(model), [tmp_path / "part-00000.parquet"], 1)["all"]
+    stats = heldout_stats(SentencePieceTokenizer(model), [tmp_path / "part-00000.parquet"], 1)["all"]
     if byte_fallback:
         assert stats["unk_rate"] == 0 and stats["byte_fallback_rate"] > 0
         assert stats["roundtrip_failures"] == 0

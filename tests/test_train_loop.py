@@ -25,8 +25,8 @@ from lmforge.errors import ConfigError, InputError, LmforgeError
 from lmforge.model import Llama, load_model
 from lmforge.model import llama as llama_module
 from lmforge.shards import ShardSet, WindowLoader, eval_batches
-from lmforge.shards.format import file_sha256
 from lmforge.shards.writer import write_shards
+from lmforge.tokenizer.files import tokenizer_sha256
 from lmforge.train import checkpoint as ckpt
 from lmforge.train import runs
 from lmforge.train.compiler import compile_support, resolve_compile
@@ -40,8 +40,11 @@ CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
 def write_tokenizer(path: Path) -> int:
-    """A tiny BPE sentencepiece model; returns its vocab size."""
+    """A tiny BPE sentencepiece model at ``path`` (a folder such as models/tokenizer gets
+    tokenizer.model); returns its vocab size."""
     import sentencepiece as spm
+
+    path = path if path.suffix else path / "tokenizer.model"
 
     rng = np.random.default_rng(0)
     words = ["alpha", "beta", "gamma", "delta", "kappa", "omega", "sigma", "tau"]
@@ -59,7 +62,7 @@ def make_inputs(root: Path) -> TrainPaths:
     """Tokenizer + train/val shards under ``root`` in the repo layout."""
     paths = TrainPaths().under(root)
     vocab = write_tokenizer(paths.tokenizer)
-    sha = file_sha256(paths.tokenizer)
+    sha = tokenizer_sha256(paths.tokenizer)
     rng = np.random.default_rng(1)
     for directory, ndocs in ((paths.train_shards, 60), (paths.val_shards, 8)):
         # Learnable documents: each token is a fixed function of the one before, mostly.
@@ -853,8 +856,8 @@ def test_two_process_lora_fine_tuning_with_replay_runs_under_ddp(tmp_path):
     paths = TrainPaths().under(root)
     base = run(tiny_params(max_steps=4, eval_every=0), paths, tmp_path / "base-ckpt")
     save_model(base.model, root / "base", paths.tokenizer,
-               tokenizer_sha256=file_sha256(paths.tokenizer))
-    sha = file_sha256(paths.tokenizer)
+               tokenizer_sha256=tokenizer_sha256(paths.tokenizer))
+    sha = tokenizer_sha256(paths.tokenizer)
     rng = np.random.default_rng(3)
     for split, n in (("train", 40), ("val", 6)):  # conversations: 1 = prompt, mask on answer
         docs = [[int(x) for x in rng.integers(3, 300, int(rng.integers(10, 30)))]

@@ -226,8 +226,7 @@ def load_session(args: argparse.Namespace, err: TextIO) -> ChatSession:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, config = load_model(model_dir, device=device)
     # A model dir carries its tokenizer; a checkpoint file uses the pipeline's.
-    default_tok = (model_dir / "tokenizer.model" if model_dir.is_dir()
-                   else Path("models/tokenizer/tokenizer.model"))
+    default_tok = model_dir if model_dir.is_dir() else Path("models/tokenizer")
     tokenizer = Tokenizer.load(args.tokenizer or default_tok)
     want = config.get("tokenizer_sha256")
     if want and tokenizer.sha256 != want:
@@ -259,7 +258,8 @@ def add_chat_parser(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"fine-tuned model folder (default {DEFAULT_MODEL}), or a checkpoint")
     c.add_argument("--tokenizer", default=None,
-                   help="tokenizer.model (default: the one beside the model)")
+                   help="tokenizer.model, tokenizer.json or a folder with one (default: the "
+                        "one beside the model)")
     c.add_argument("--system", default=None, help="system message for the conversation")
     c.add_argument("-m", "--message", action="append", default=[],
                    help="a user message; repeat for a scripted conversation (no REPL)")

@@ -30,8 +30,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, _ = load_model(model_dir, device=device)
     # A final model dir carries its tokenizer; a checkpoint uses the pipeline's.
-    default_tok = (model_dir / "tokenizer.model" if model_dir.is_dir()
-                   else Path("models/tokenizer/tokenizer.model"))
+    default_tok = model_dir if model_dir.is_dir() else Path("models/tokenizer")
     tokenizer = Tokenizer.load(args.tokenizer or default_tok)
     prompts = list(args.prompt)
     if args.file:
@@ -75,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="models/final",
                    help="models/final, or a checkpoint file under models/checkpoints/<run>/")
     g.add_argument("--tokenizer", default=None,
-                   help="tokenizer.model (default: the one beside the model)")
+                   help="tokenizer.model, tokenizer.json or a folder with one (default: the "
+                        "one beside the model)")
     g.add_argument("--file", help="read prompts from a file, separated by blank lines")
     g.add_argument("--max-new-tokens", type=int, default=200)
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")

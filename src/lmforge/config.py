@@ -267,8 +267,8 @@ class TokenizerConfig:
     max_sentence_length: int = 16384
     seed: int = 42
     num_threads: int = 0  # 0 = all cores
-    # An existing sentencepiece model (a tokenizer.model file, or a directory with one,
-    # such as `lmforge import hf`'s output) used as is instead of training one: for
+    # An existing tokenizer (a tokenizer.model or tokenizer.json file, or a folder with
+    # one, such as `lmforge import hf`'s output) used as is instead of training one: for
     # continued pretraining with train.init_from. The training settings above are unused.
     init_from: str | None = None
     # Control symbols at ids 4, 5, ... that encoding text never produces: the chat

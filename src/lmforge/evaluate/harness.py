@@ -1,6 +1,6 @@
 """lm-evaluation-harness (``lm-eval``) on our models, offline.
 
-Each model directory (ours: ``model.safetensors``, ``config.json``, ``tokenizer.model``)
+Each model directory (ours: ``model.safetensors``, ``config.json``, the tokenizer)
 is exported once to a Hugging Face Llama folder (``lmforge.export.export_hf``) under
 ``models/hf/<label>-<key>``, where the key hashes the weights, the tokenizer and the
 exporting code's versions, so an unchanged model is not exported again. That folder is
@@ -40,6 +40,7 @@ import yaml
 from lmforge import __version__
 from lmforge.errors import InputError, LmforgeError
 from lmforge.export import export_hf
+from lmforge.tokenizer.files import SP_FILE, find_tokenizer, tokenizer_files
 
 HF_CACHE = Path("models/hf")
 # lm-eval's keys for the figures we keep ("acc,none": metric "acc", filter "none").
@@ -160,7 +161,9 @@ def export_key(model_dir: Path) -> str:
 
     h = hashlib.sha256(f"lmforge {__version__} transformers {transformers.__version__}\n"
                        .encode())
-    for name in ("model.safetensors", "tokenizer.model", "config.json"):
+    # The tokenizer's files, whichever backend (for sentencepiece: tokenizer.model alone).
+    tokenizer = list(tokenizer_files(model_dir)) if find_tokenizer(model_dir) else [SP_FILE]
+    for name in ("model.safetensors", *tokenizer, "config.json"):
         path = model_dir / name
         if not path.is_file():
             raise InputError(f"{path}: missing (not a trained lmforge model folder)")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -35,16 +36,21 @@ from lmforge import __version__
 from lmforge.errors import InputError
 from lmforge.export.hf_config import from_hf_config, to_hf_config
 from lmforge.export.hf_names import hf_name, our_name, to_hf_state
-from lmforge.export.hf_tokenizer import TOKENIZER_MODEL, read_proto, write_hf_tokenizer
+from lmforge.export.hf_tokenizer import TOKENIZER_MODEL, write_hf_tokenizer
 from lmforge.finetune.template import CHAT_TEMPLATE, END_MARKER, marker_ids
 from lmforge.io import atomic_dir, read_json_object, write_json
 from lmforge.model.llama import Llama
 from lmforge.model.saved import CONFIG, WEIGHTS, load_model, model_state, save_model
-from lmforge.tokenizer import Tokenizer
+from lmforge.tokenizer import HF_FILE, Tokenizer
+from lmforge.tokenizer.files import copy_tokenizer, find_tokenizer, is_hf_file
 
 HF_INDEX = "model.safetensors.index.json"
 # Written by export and import alike: the one proof that a folder is ours to replace.
 MARKER = ".lmforge-export"
+# What import copies beside the weights as it is (whichever exist): the tokenizer and the
+# model's generation defaults.
+TOKENIZER_FILES = (TOKENIZER_MODEL, HF_FILE, "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json", "generation_config.json")
 
 
 def export_hf(model_dir: str | Path, out_dir: str | Path, *, force: bool = False) -> Path:
@@ -56,15 +62,16 @@ def export_hf(model_dir: str | Path, out_dir: str | Path, *, force: bool = False
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     _check_writable(out_dir, model_dir, force)
     model, config = load_model(model_dir)
-    sp_path = model_dir / TOKENIZER_MODEL
-    if not sp_path.is_file():
-        raise InputError(f"{sp_path}: no tokenizer beside the model (run the train stage)")
+    tok_path = find_tokenizer(model_dir)
+    if tok_path is None:
+        raise InputError(f"{model_dir}: no tokenizer beside the model ({HF_FILE} or "
+                         f"{TOKENIZER_MODEL}; run the train stage)")
     want = config.get("tokenizer_sha256")
-    if want and _sha256(sp_path) != want:
-        raise InputError(f"{sp_path}: does not match the tokenizer the model was trained with "
+    if want and _sha256(tok_path) != want:
+        raise InputError(f"{tok_path}: does not match the tokenizer the model was trained with "
                          f"(sha256 {want[:12]})")
     special = config.get("special_ids") or {}
-    end_id = _chat_end_id(sp_path)
+    end_id = _chat_end_id(tok_path)
     state = to_hf_state(model_state(model))
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
     hf_config = to_hf_config(model.config, model.vocab_size, special, dtype)
@@ -74,19 +81,23 @@ def export_hf(model_dir: str | Path, out_dir: str | Path, *, force: bool = False
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
         write_json(tmp / CONFIG, hf_config)
         write_json(tmp / "generation_config.json", _generation_config(special, end_id))
-        write_hf_tokenizer(sp_path, tmp, special, model.config.seq_len,
-                           chat_template=CHAT_TEMPLATE if end_id is not None else None)
-        _write_marker(tmp, "export hf", model_dir)
+        if is_hf_file(tok_path):  # a model's own tokenizer goes out as it came in
+            copy_tokenizer(tok_path, tmp)
+        else:
+            write_hf_tokenizer(tok_path, tmp, special, model.config.seq_len,
+                               chat_template=CHAT_TEMPLATE if end_id is not None else None)
+        _write_marker(tmp, "export hf", model_dir,
+                      tokenizer="hf" if is_hf_file(tok_path) else "sentencepiece")
     return out_dir
 
 
-def _chat_end_id(sp_path: Path) -> int | None:
+def _chat_end_id(tok_path: Path) -> int | None:
     """The ``<|end|>`` id when the tokenizer carries the chat template's markers, else None.
 
     A tokenizer without them (a base model's) is exported as it always was.
     """
     try:
-        return marker_ids(Tokenizer.load(sp_path))[END_MARKER]
+        return marker_ids(Tokenizer.load(tok_path))[END_MARKER]
     except InputError:
         return None
 
@@ -110,8 +121,10 @@ def import_hf(in_dir: str | Path, out_dir: str | Path, seq_len: int | None = Non
     """Convert a Hugging Face Llama folder into our model dir format at ``out_dir``; return it.
 
     ``seq_len`` caps the context (default: the checkpoint's ``max_position_embeddings``).
-    The weights are stored in fp32, as training keeps them. A ``tokenizer.model`` in
-    ``in_dir`` is copied along; without one the special ids come from config.json.
+    The weights are stored in fp32, as training keeps them. The tokenizer files are
+    copied along as they are (:data:`TOKENIZER_FILES`, whichever exist); the tokenizer
+    (``tokenizer.json`` when present, else ``tokenizer.model``) gives ``tokenizer_sha256``
+    and the special ids. A folder without a tokenizer we can load is refused.
     An existing ``out_dir`` is replaced only when it is empty or an earlier lmforge
     export/import, or when ``force`` is set.
     """
@@ -131,16 +144,16 @@ def import_hf(in_dir: str | Path, out_dir: str | Path, seq_len: int | None = Non
         raise InputError(f"{in_dir}: weights do not match {cfg_path} ({first})") from None
     if cfg.tie_embeddings:
         model.lm_head.weight = model.tok_embeddings.weight
-    sp_path = in_dir / TOKENIZER_MODEL
-    tokenizer = sp_path if sp_path.is_file() else None
-    special = _special_ids(hf, tokenizer)
-    extra: dict[str, Any] = {"special_ids": special, "source": {"hf": str(in_dir.resolve())}}
-    if tokenizer is not None:
-        extra["tokenizer_sha256"] = _sha256(tokenizer)
+    tokenizer, files = _import_tokenizer(in_dir, vocab_size)
+    special = _special_ids(tokenizer)
+    extra: dict[str, Any] = {"special_ids": special, "source": {"hf": str(in_dir.resolve())},
+                             "tokenizer_sha256": tokenizer.sha256}
     # save_model writes the folder the train stage writes; the outer atomic_dir adds the
-    # marker and swaps model and marker into place together, so neither appears alone.
+    # marker and swaps model, tokenizer and marker into place together.
     with atomic_dir(out_dir) as tmp:
-        save_model(model, tmp, tokenizer, **extra)
+        save_model(model, tmp, None, **extra)
+        for name in files:
+            shutil.copyfile(in_dir / name, tmp / name)
         _write_marker(tmp, "import hf", in_dir)
     return out_dir
 
@@ -213,19 +226,42 @@ def _check_tensor_names(state: dict[str, torch.Tensor], model: Llama, in_dir: Pa
                          f"model {cfg_path} describes has")
 
 
-def _special_ids(hf: dict[str, Any], tokenizer: Path | None) -> dict[str, int]:
-    """bos/eos/pad/unk ids: the sentencepiece model's when there is one, else config.json's."""
-    if tokenizer is not None:
-        spec = read_proto(tokenizer).trainer_spec
-        return {"bos": spec.bos_id, "eos": spec.eos_id, "pad": spec.pad_id, "unk": spec.unk_id}
+def _import_tokenizer(in_dir: Path, vocab_size: int) -> tuple[Tokenizer, list[str]]:
+    """The tokenizer of an HF folder, loaded, and the files to copy with it.
 
-    def first(value: Any) -> int:
-        if isinstance(value, list):  # Llama 3 lists several EOS ids
-            value = value[0] if value else None
-        return int(value) if value is not None else -1
+    A folder without one, a file we cannot load, or ids past the embedding are refused
+    in one line: a model is never imported without its tokenizer. A folder that
+    ``export hf`` wrote from a sentencepiece model brings back that ``tokenizer.model``
+    alone (its tokenizer.json is a conversion of it), so the model keeps its identity.
+    """
+    path = find_tokenizer(in_dir)
+    if path is None:
+        raise InputError(f"{in_dir}: no tokenizer ({HF_FILE} or {TOKENIZER_MODEL}); the "
+                         "model is imported with its own tokenizer or not at all")
+    files = [n for n in TOKENIZER_FILES if (in_dir / n).is_file()]
+    if _exported_from_sentencepiece(in_dir):
+        path, files = in_dir / TOKENIZER_MODEL, [TOKENIZER_MODEL]
+    tokenizer = Tokenizer.load(path)  # an unloadable file: InputError naming it
+    if tokenizer.vocab_size > vocab_size:
+        raise InputError(f"{path}: {tokenizer.vocab_size} tokens, but the model's embedding "
+                         f"has {vocab_size} rows")
+    return tokenizer, files
 
-    return {"bos": first(hf.get("bos_token_id")), "eos": first(hf.get("eos_token_id")),
-            "pad": first(hf.get("pad_token_id")), "unk": -1}
+
+def _exported_from_sentencepiece(in_dir: Path) -> bool:
+    """Whether ``export hf`` wrote ``in_dir`` from a model with a tokenizer.model."""
+    if not (_is_ours(in_dir) and (in_dir / TOKENIZER_MODEL).is_file()):
+        return False
+    marker = json.loads((in_dir / MARKER).read_text(encoding="utf-8"))
+    # Exports before the Hugging Face backend all came from sentencepiece models.
+    return (marker.get("command") == "export hf"
+            and marker.get("tokenizer", "sentencepiece") == "sentencepiece")
+
+
+def _special_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    """bos/eos/pad/unk ids of the tokenizer (an HF tokenizer's from tokenizer_config.json,
+    else config.json beside it); -1 where there is none."""
+    return tokenizer.special_ids()
 
 
 def _check_writable(out_dir: Path, src: Path, force: bool) -> None:
@@ -253,12 +289,12 @@ def _is_ours(directory: Path) -> bool:
     return isinstance(marker, dict) and marker.get("tool") == "lmforge"
 
 
-def _write_marker(directory: Path, command: str, source: Path) -> None:
+def _write_marker(directory: Path, command: str, source: Path, **facts: str) -> None:
     """Record in ``directory`` that lmforge wrote it (and may replace it next time)."""
     # The source path as the user gave it: an absolute path would leak into uploads.
     write_json(directory / MARKER, {
         "tool": "lmforge", "version": __version__, "command": command, "source": str(source),
-        "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), **facts})
 
 
 def _sha256(path: Path) -> str:

@@ -22,6 +22,7 @@ from lmforge.finetune.template import END_MARKER, marker_ids, render_all
 from lmforge.io import atomic_dir
 from lmforge.shards.writer import ShardWriter
 from lmforge.tokenizer import Tokenizer
+from lmforge.tokenizer.files import find_tokenizer
 
 DOMAIN = "instructions"
 SHOW_REJECTS = 10
@@ -58,7 +59,7 @@ def split_metrics(packed: Packed, seq_len: int) -> dict[str, Any]:
 
 def build(cfg: SftDataConfig, tokenizer_path: Path, out: Path) -> dict[str, Any]:
     """Read, render, split, pack and write; return metrics/sft_data.json."""
-    if not tokenizer_path.is_file():
+    if find_tokenizer(tokenizer_path) is None:
         raise InputError(f"{tokenizer_path}: no tokenizer (run the tokenizer stage)")
     tok = Tokenizer.load(tokenizer_path)
     markers = marker_ids(tok)  # a tokenizer without the chat markers: one clear line

@@ -20,6 +20,7 @@ from lmforge.finetune.records import ASSISTANT, read_examples
 from lmforge.finetune.template import END_MARKER, Rendered, marker_ids
 from lmforge.io import atomic_dir
 from lmforge.tokenizer import Tokenizer
+from lmforge.tokenizer.files import find_tokenizer
 
 
 def build_pairs(cfg: DpoDataConfig, tokenizer_path: Path, out: Path) -> dict[str, Any]:
@@ -28,7 +29,7 @@ def build_pairs(cfg: DpoDataConfig, tokenizer_path: Path, out: Path) -> dict[str
     Pairs are split by a seeded hash of their prompt, so pairs sharing a prompt land on
     the same side; rows hold whole pairs, chosen then rejected (``pack_pairs``).
     """
-    if not tokenizer_path.is_file():
+    if find_tokenizer(tokenizer_path) is None:
         raise InputError(f"{tokenizer_path}: no tokenizer (run the tokenizer stage)")
     tok = Tokenizer.load(tokenizer_path)
     markers = marker_ids(tok)

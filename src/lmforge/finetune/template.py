@@ -13,6 +13,16 @@ switch that off per call.) Hugging Face tokenizers do match special tokens insid
 so there ``apply_chat_template`` gives the marker id for such a message: ours and theirs
 agree on every conversation whose contents hold no marker string.
 
+With a Hugging Face ``tokenizer.json`` (``lmforge.tokenizer.hf``) the markers must be
+*special* added tokens. Our backend encodes text with ``encode_special_tokens`` on, so
+a special token is never matched inside text -- the same rule as a control symbol, and
+the template's rules hold unchanged: markers are inserted by id, a marker typed in a
+message stays text. A marker added as a non-special token would be matched inside text,
+so it is refused, as a sentencepiece user-defined symbol is. A tokenizer without the
+markers (a base model's own, such as Qwen's or Llama 3's) is refused in one line: its own
+chat template is another matter. A tokenizer without BOS starts the conversation at its
+first marker.
+
 Layout: ``BOS``, then per turn ``marker content <|end|>``, with nothing between -- no
 newline after the marker or after ``<|end|>``. The marker ids delimit turns already; a
 newline would cost a token per marker, and, since the Hugging Face template's text is
@@ -34,8 +44,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from sentencepiece import sentencepiece_model_pb2 as model_pb2
 
 from lmforge.config import CHAT_MARKERS
 from lmforge.errors import InputError
@@ -74,24 +82,24 @@ def marker_ids(tokenizer: Tokenizer) -> dict[str, int]:
 
 
 def _check_tokenizer(tokenizer: Tokenizer) -> dict[str, int]:
-    sp = tokenizer.sp
     name = f"tokenizer {tokenizer.sha256[:12]}"
     ids = {}
     for marker in CHAT_MARKERS:
-        token_id = sp.piece_to_id(marker)
-        if sp.id_to_piece(token_id) != marker:
+        token_id = tokenizer.token_to_id(marker)
+        if token_id is None:
             raise InputError(f"{name}: no chat marker {marker}; train the tokenizer with "
-                             "the chat markers in tokenizer.reserved_tokens (the default)")
-        if not sp.is_control(token_id):
-            raise InputError(f"{name}: chat marker {marker} is not a control symbol, so "
+                             "the chat markers in tokenizer.reserved_tokens (the default), "
+                             "or use a tokenizer that has them as special tokens")
+        if not tokenizer.is_special(token_id):
+            kind = ("a control symbol" if tokenizer.backend == "sentencepiece"
+                    else "a special token")
+            raise InputError(f"{name}: chat marker {marker} is not {kind}, so "
                              "text containing it would encode to it")
         ids[marker] = token_id
-    proto = model_pb2.ModelProto()
-    proto.ParseFromString(sp.serialized_model_proto())
-    spec = proto.normalizer_spec
-    if spec.add_dummy_prefix or spec.remove_extra_whitespaces:
+    if tokenizer.adds_prefix:
         raise InputError(f"{name}: adds a dummy prefix or drops whitespace (normalization: "
-                         "nfkc); the chat template needs normalization: identity")
+                         "nfkc, or a prefix space); the chat template needs normalization: "
+                         "identity")
     return ids
 
 
@@ -107,7 +115,8 @@ def render(turns: Sequence[Turn], tokenizer: Tokenizer) -> tuple[list[int], list
     markers = marker_ids(tokenizer)
     end = markers[END_MARKER]
     contents = tokenizer.encode_batch([content for _, content in turns], num_threads=1)
-    ids, mask = [tokenizer.bos_id], [0]
+    # A tokenizer without BOS (Qwen's) starts with the first marker.
+    ids, mask = ([tokenizer.bos_id], [0]) if tokenizer.bos_id >= 0 else ([], [])
     for (role, _), content_ids in zip(turns, contents, strict=True):
         if role not in ROLES:
             raise ValueError(f"role {role!r} is not system, user or assistant")

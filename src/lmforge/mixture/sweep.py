@@ -7,8 +7,9 @@ mix.weights.<domain>=...`` plus the proxy's model and budget (``mix_sweep`` in
 params.yaml), so only mix -> tokenizer -> shards -> train -> evaluate run; the data
 stages before ``mix`` come from the cache.
 
-The tokenizer is frozen for the sweep: the workspace's ``models/tokenizer/tokenizer.model``
-is copied to ``models/mix_sweep/<name>/tokenizer.model`` once and every proxy reuses it
+The tokenizer is frozen for the sweep: the workspace's ``models/tokenizer/`` files
+(``tokenizer.model``, or ``tokenizer.json`` and its companions) are copied to
+``models/mix_sweep/<name>/`` once and every proxy reuses them
 (``tokenizer.init_from``) instead of training one on its own mixture. The proxies then
 see the same token ids, their val sets are the same documents (mix splits val before it
 weights), and bits-per-byte compares them whatever the tokenizer.
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,11 +44,13 @@ from lmforge.experiments import (
     wait_for_queue,
 )
 from lmforge.mixture.space import sample_mixtures
+from lmforge.tokenizer.files import copy_tokenizer, find_tokenizer, locate_tokenizer
 from lmforge.train.checkpoint import NON_RUN_KEYS
 
 MIX_METRICS = Path("metrics/mix.json")
-TOKENIZER = Path("models/tokenizer/tokenizer.model")
-SWEEPS = Path("models/mix_sweep")  # <name>/tokenizer.model: a sweep's frozen tokenizer
+TOKENIZER = Path("models/tokenizer")  # the tokenizer stage's folder, either backend
+# <name>/tokenizer.model (or tokenizer.json and its companions): a sweep's frozen tokenizer
+SWEEPS = Path("models/mix_sweep")
 PARAMS = Path("params.yaml")
 # Stages that must be up to date before queueing, or every proxy would rerun them.
 UPSTREAM = ("ingest", "filter", "dedup")
@@ -221,27 +223,31 @@ def weight_sets(domains: list[str], mixture: np.ndarray) -> list[str]:
 
 def sweep_tokenizer(name: str) -> Path:
     """The tokenizer sweep ``name``'s proxies use: its frozen copy, or before the first
-    run the workspace's one that will be frozen."""
-    frozen = SWEEPS / name / "tokenizer.model"
-    if frozen.is_file():
-        return frozen
-    if not TOKENIZER.is_file():
+    run the workspace's one that will be frozen (the defining file, either backend)."""
+    frozen = find_tokenizer(SWEEPS / name)
+    return frozen if frozen is not None else _workspace_tokenizer()
+
+
+def _workspace_tokenizer() -> Path:
+    found = find_tokenizer(TOKENIZER)
+    if found is None:
         raise InputError(f"{TOKENIZER}: missing; run `dvc repro tokenizer` first")
-    return TOKENIZER
+    return found
 
 
 def freeze_tokenizer(name: str, log: Callable[[str], None]) -> Path:
-    """Sweep ``name``'s tokenizer: the workspace's, copied at its first run and kept, so
-    proxies queued by a later rerun see the same ids as the first ones."""
-    frozen = SWEEPS / name / "tokenizer.model"
-    if not TOKENIZER.is_file():
-        raise InputError(f"{TOKENIZER}: missing; run `dvc repro tokenizer` first")
-    if not frozen.is_file():
-        frozen.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(TOKENIZER, frozen)
+    """Sweep ``name``'s tokenizer: the workspace's, copied whole (its files, whichever
+    backend) at its first run and kept, so proxies queued by a later rerun see the same
+    ids as the first ones. Returns the frozen defining file."""
+    current = _workspace_tokenizer()
+    frozen = find_tokenizer(SWEEPS / name)
+    if frozen is None:
+        (SWEEPS / name).mkdir(parents=True, exist_ok=True)
+        copy_tokenizer(current, SWEEPS / name)
+        frozen = locate_tokenizer(SWEEPS / name)
         log(f"mix sweep: tokenizer frozen for the sweep as {frozen}")
-    elif frozen.read_bytes() != TOKENIZER.read_bytes():
-        log(f"mix sweep: {TOKENIZER} changed since sweep {name} froze {frozen}; its proxies "
+    elif frozen.read_bytes() != current.read_bytes():
+        log(f"mix sweep: {current} changed since sweep {name} froze {frozen}; its proxies "
             "keep the frozen one (set mix_sweep.name to start a sweep on the new one)")
     return frozen
 

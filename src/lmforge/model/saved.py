@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from lmforge.config import ModelConfig, from_dict
 from lmforge.errors import ConfigError, InputError
 from lmforge.io import atomic_dir, atomic_path, read_json_object, write_json
 from lmforge.model.llama import Llama
+from lmforge.tokenizer.files import copy_tokenizer
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -37,12 +37,15 @@ def save_weights(model: Llama, path: str | os.PathLike) -> None:
 
 def save_model(model: Llama, directory: str | os.PathLike,
                tokenizer: str | os.PathLike | None = None, **extra: Any) -> None:
-    """Write ``directory`` whole (weights, config.json with ``extra``, tokenizer copy), atomically."""
+    """Write ``directory`` whole (weights, config.json with ``extra``, tokenizer copy), atomically.
+
+    ``tokenizer``: a tokenizer file or folder (``models/tokenizer``), either backend.
+    """
     with atomic_dir(directory) as tmp:
         save_file(model_state(model), str(tmp / WEIGHTS), metadata={"format": "pt"})
         write_json(tmp / CONFIG, model_config_dict(model, **extra))
-        if tokenizer is not None:
-            shutil.copyfile(tokenizer, tmp / TOKENIZER)
+        if tokenizer is not None:  # its files as they are, whichever backend
+            copy_tokenizer(tokenizer, tmp)
 
 
 def model_config_dict(model: Llama, **extra: Any) -> dict[str, Any]:

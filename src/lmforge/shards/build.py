@@ -20,6 +20,7 @@ from lmforge.shards.format import token_dtype
 from lmforge.shards.writer import ShardWriter
 from lmforge.tokenizer import Tokenizer
 from lmforge.tokenizer.corpus import list_parts, read_domains
+from lmforge.tokenizer.files import locate_tokenizer
 
 SPLITS = ("train", "val")
 
@@ -35,6 +36,8 @@ def build_shards(mixed_dir: str | Path, tokenizer_path: str | Path, out_dir: str
                  cfg: ShardsConfig, executor: Executor | None = None) -> dict[str, Any]:
     """Write ``out_dir/{train,val}`` shard sets from ``mixed_dir``; return stage metrics.
 
+    ``tokenizer_path`` is a tokenizer file or a folder holding one (``models/tokenizer``).
+
     The encoding runs on ``executor`` (default: the local pool of ``cfg.num_workers``)."""
     executor = executor or LocalExecutor(cfg.num_workers)
     tok = Tokenizer.load(tokenizer_path)
@@ -47,7 +50,7 @@ def build_shards(mixed_dir: str | Path, tokenizer_path: str | Path, out_dir: str
     metrics["domains"] = domain_names
     for split in SPLITS:
         start = time.perf_counter()
-        tasks = plan_tasks(parts[split], tokenizer_path, tok.sha256, cfg.bos, cfg.eos,
+        tasks = plan_tasks(parts[split], locate_tokenizer(tokenizer_path), tok.sha256, cfg.bos, cfg.eos,
                            token_dtype(tok.vocab_size), domain_names, executor.workers)
         with atomic_dir(Path(out_dir) / split) as tmp:
             writer = ShardWriter(tmp, tok.vocab_size, tok.sha256, domain_names,

@@ -3,14 +3,14 @@
 The driver only plans and writes. It cuts every part into row ranges of about
 ``CHUNK_CHARS`` characters from the Parquet metadata alone (no text read), and hands
 :class:`RowsTask` s to an executor (:mod:`lmforge.executor`: this machine's process pool
-or a Ray cluster). Each task, :func:`encode_rows`, reads its own rows, encodes them with
-one sentencepiece thread and sends back a compact numpy array; results come back in task
+or a Ray cluster). Each task, :func:`encode_rows`, reads its own rows, encodes them on
+one thread (either tokenizer backend) and sends back a compact numpy array; results come back in task
 order and go to the shard writer, so the output does not depend on where or on how many
 workers the tasks ran. No text passes through the driver, which on a cluster would be
 the bottleneck.
 
-A worker keeps the sentencepiece model it loaded (keyed by path and sha256), so the
-model loads once per worker process, not once per task.
+A worker keeps the tokenizer it loaded (keyed by path and sha256), so the tokenizer
+loads once per worker process, not once per task.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import sentencepiece as spm
 
 from lmforge.errors import InputError
+from lmforge.tokenizer import Tokenizer
 from lmforge.tokenizer.corpus import _check_strings, _open
 
 # ~0.2 s of encoding on one core: enough to hide a task's start-up (opening the part,
@@ -48,7 +48,7 @@ class RowsTask:
     path: str  # the Parquet part
     lo: int
     hi: int
-    model: str  # the sentencepiece model file
+    model: str  # the tokenizer's defining file (tokenizer.model or tokenizer.json)
     model_sha256: str  # its digest: a worker's cached model is used only if it matches
     add_bos: bool
     add_eos: bool
@@ -123,55 +123,30 @@ def plan_tasks(parts: list[Path], model: str | Path, model_sha256: str, add_bos:
 # ----------------------------------------------------------------------- encoding
 
 
-def encode_texts(sp: spm.SentencePieceProcessor, texts: list[str], add_bos: bool,
-                 add_eos: bool, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Flat ids (``dtype``) and per-document lengths of ``texts``, on one thread."""
-    # num_threads=1: left unset, sentencepiece uses every core for each batch.
-    kw = dict(add_bos=add_bos, add_eos=add_eos, num_threads=1)
-    try:
-        # sentencepiece >= 0.2.1 hands back int32 buffers: no Python int per token.
-        arrays = sp.encode(texts, return_type="numpy", **kw)
-    except TypeError:
-        ids = sp.encode(texts, **kw)
-        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64,
-                           count=int(lengths.sum()))
-        return flat.astype(dtype), lengths
-    lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
-    if not arrays:
-        return np.zeros(0, dtype), lengths
-    # Ids are below vocab_size, which the dtype was chosen to hold: the cast is exact.
-    return np.concatenate(arrays).astype(dtype), lengths
-
-
-# This process's loaded models, by (path, sha256): one load per worker, not per task.
-_MODELS: dict[tuple[str, str], spm.SentencePieceProcessor] = {}
+# This process's loaded tokenizers, by (path, sha256): one load per worker, not per task.
+_MODELS: dict[tuple[str, str], Tokenizer] = {}
 _MAX_MODELS = 2
 
 
-def load_model(path: str, sha256: str) -> spm.SentencePieceProcessor:
-    """The sentencepiece model at ``path``, loaded once per process and content."""
+def load_model(path: str, sha256: str) -> Tokenizer:
+    """The tokenizer at ``path`` (either backend), loaded once per process and content."""
     key = (path, sha256)
-    sp = _MODELS.get(key)
-    if sp is not None:
-        return sp
+    tok = _MODELS.get(key)
+    if tok is not None:
+        return tok
     try:
-        model = Path(path).read_bytes()
+        data = Path(path).read_bytes()
     except OSError as e:
         raise InputError(f"{path}: cannot read tokenizer model ({e.strerror})") from None
-    found = hashlib.sha256(model).hexdigest()
+    found = hashlib.sha256(data).hexdigest()
     if found != sha256:
         raise InputError(f"{path}: tokenizer model changed during the run (sha256 {found[:12]}, "
                          f"planned with {sha256[:12]})")
-    sp = spm.SentencePieceProcessor()
-    try:
-        sp.LoadFromSerializedProto(model)
-    except (RuntimeError, OSError) as e:
-        raise InputError(f"{path}: not a sentencepiece model ({e})") from None
+    tok = Tokenizer.from_bytes(Path(path), data)
     if len(_MODELS) >= _MAX_MODELS:
         _MODELS.clear()
-    _MODELS[key] = sp
-    return sp
+    _MODELS[key] = tok
+    return tok
 
 
 COLUMNS = ["text", "domain"]
@@ -273,8 +248,8 @@ def encode_rows(task: RowsTask) -> EncodedChunk:
         i = int(np.argmax(codes < 0))
         raise InputError(f"{task.path}: row {task.lo + i}: domain {domain[i].as_py()!r} was "
                          "not in the part when the run began (changed during the run?)")
-    sp = load_model(task.model, task.model_sha256)
-    tokens, lengths = encode_texts(sp, text.to_pylist(), task.add_bos, task.add_eos,
-                                   np.dtype(task.dtype))
+    tok = load_model(task.model, task.model_sha256)
+    tokens, lengths = tok.encode_arrays(text.to_pylist(), task.add_bos, task.add_eos,
+                                        np.dtype(task.dtype))
     nbytes = _ints(pc.binary_length(text)).astype(np.uint64)
     return EncodedChunk(tokens, lengths, nbytes, codes.astype(np.uint16))

@@ -16,19 +16,20 @@ import numpy as np
 from lmforge.errors import InputError
 from lmforge.shards.format import MANIFEST
 from lmforge.tokenizer import Tokenizer
+from lmforge.tokenizer.files import find_tokenizer
 
 if TYPE_CHECKING:
     from lmforge.shards.loader import ShardSet
 
 HIST_WIDTH = 40  # characters of the longest histogram bar
-TOKENIZER_GUESS = Path("models/tokenizer/tokenizer.model")
+TOKENIZER_GUESS = Path("models/tokenizer")  # the tokenizer stage's folder, either backend
 
 
 def inspect_shards(path: str | Path, tokenizer_path: str | Path | None = None, *,
                    verify: bool = False, sample_chars: int = 240) -> str:
     """A report on the shard set at ``path`` (or on each of ``path/{train,val}``).
 
-    ``tokenizer_path`` decodes the samples; without it, ``models/tokenizer/tokenizer.model``
+    ``tokenizer_path`` decodes the samples; without it, ``models/tokenizer/``
     above ``path`` is used when its hash matches the shards. ``verify`` also checks every
     shard's sha256 against the manifest.
     """
@@ -53,7 +54,7 @@ def _tokenizer_for(shards: ShardSet,
     """The tokenizer that made ``shards``, or None and the reason samples show ids."""
     if tokenizer_path is None:
         guesses = [p / TOKENIZER_GUESS for p in shards.path.resolve().parents]
-        tokenizer_path = next((p for p in guesses if p.is_file()), None)
+        tokenizer_path = next((p for p in guesses if find_tokenizer(p) is not None), None)
         if tokenizer_path is None:
             return None, "no tokenizer found; pass --tokenizer to decode"
     tok = Tokenizer.load(tokenizer_path)

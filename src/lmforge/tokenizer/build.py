@@ -1,4 +1,5 @@
-"""The tokenizer stage: sample mixed/train, train, write the model, score it on mixed/val."""
+"""The tokenizer stage: sample mixed/train, train, write the model, score it on mixed/val;
+or, with ``tokenizer.init_from``, copy an existing tokenizer (either backend) and score it."""
 
 from __future__ import annotations
 
@@ -6,15 +7,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sentencepiece import sentencepiece_model_pb2 as sp_pb
-
 from lmforge.config import TokenizerConfig, section_dict
 from lmforge.errors import InputError
 from lmforge.io import atomic_dir
 from lmforge.tokenizer import Tokenizer
 from lmforge.tokenizer.corpus import list_parts
+from lmforge.tokenizer.files import copy_tokenizer, locate_tokenizer
 from lmforge.tokenizer.report import heldout_stats, vocab_stats
 from lmforge.tokenizer.sample import balanced_sample
+from lmforge.tokenizer.spm import SentencePieceTokenizer
 from lmforge.tokenizer.train import train_model, vocab_text
 
 MODEL_NAME = "tokenizer.model"
@@ -50,21 +51,24 @@ def build_tokenizer(train_dir: str | Path, val_dir: str | Path, out_dir: str | P
 
 def _reuse_tokenizer(source: str, val_dir: str | Path, out_dir: str | Path,
                      cfg: TokenizerConfig) -> dict[str, Any]:
-    """``tokenizer.init_from``: copy an existing sentencepiece model into ``out_dir``."""
-    path = Path(source)
-    if path.is_dir():
-        path = path / MODEL_NAME
+    """``tokenizer.init_from``: copy an existing tokenizer into ``out_dir`` as it is.
+
+    ``source`` is a tokenizer file or a folder holding one (a model folder such as
+    ``models/base`` from ``lmforge import hf``): a sentencepiece ``tokenizer.model``, or
+    a Hugging Face ``tokenizer.json`` with its companion files.
+    """
     try:
-        model = path.read_bytes()
-    except OSError as e:
-        raise InputError(f"tokenizer.init_from: {path}: {e.strerror or e}") from None
-    try:
-        Tokenizer(model, str(path))
-    except Exception as e:  # sentencepiece raises RuntimeError/OSError with long text
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise InputError(f"tokenizer.init_from: {path}: not a sentencepiece model "
-                         f"({first})") from None
-    metrics = _write_and_score(model, list_parts(val_dir), out_dir, cfg)
+        path = locate_tokenizer(source)
+        tok = Tokenizer.load(path)
+    except InputError as e:
+        raise InputError(f"tokenizer.init_from: {e}") from None
+    val_parts = list_parts(val_dir)
+    if isinstance(tok, SentencePieceTokenizer):
+        metrics = _write_and_score(tok.model, val_parts, out_dir, cfg)
+    else:
+        with atomic_dir(out_dir) as tmp:
+            copy_tokenizer(path, tmp)
+        metrics = _score(Tokenizer.load(out_dir), val_parts, cfg)
     metrics.update({"init_from": str(path), "sample": None, "sample_seconds": 0.0,
                     "train_seconds": 0.0})
     return metrics
@@ -76,15 +80,21 @@ def _write_and_score(model: bytes, val_parts: list[Path], out_dir: str | Path,
     with atomic_dir(out_dir) as tmp:
         (tmp / MODEL_NAME).write_bytes(model)
         (tmp / MODEL_NAME).with_suffix(".vocab").write_text(vocab_text(model), encoding="utf-8")
-    tok = Tokenizer(model, str(Path(out_dir) / MODEL_NAME))
+    return _score(SentencePieceTokenizer(model, str(Path(out_dir) / MODEL_NAME)), val_parts, cfg)
+
+
+def _score(tok: Tokenizer, val_parts: list[Path], cfg: TokenizerConfig) -> dict[str, Any]:
+    """The tokenizer's metrics: identity, losslessness, vocabulary and held-out stats."""
     held = heldout_stats(tok, val_parts, cfg.num_threads)
     failures = held["all"]["roundtrip_failures"]
     return {
         "params": section_dict(cfg),
+        "backend": tok.backend,
         "sha256": tok.sha256,
         "vocab_size": tok.vocab_size,
-        # Lossless by construction (identity normalisation + byte fallback), and checked.
-        "lossless": _lossless_by_construction(model) and failures == 0,
+        # Lossless by construction (no normalisation, every character encodable), and checked.
+        "lossless": _lossless_by_construction(tok) and failures == 0,
+        **_normalizer_note(tok),
         "roundtrip_failures": failures,
         **vocab_stats(tok),
         "chars_per_token": {d: s["chars_per_token"] for d, s in held["domains"].items()}
@@ -97,8 +107,17 @@ def _write_and_score(model: bytes, val_parts: list[Path], out_dir: str | Path,
     }
 
 
-def _lossless_by_construction(model: bytes) -> bool:
-    """Identity normalisation and byte fallback, read from the model itself."""
-    proto = sp_pb.ModelProto()
-    proto.ParseFromString(model)
-    return proto.normalizer_spec.name == "identity" and proto.trainer_spec.byte_fallback
+def _lossless_by_construction(tok: Tokenizer) -> bool:
+    """sentencepiece: identity normalisation and byte fallback, read from the model itself.
+    Hugging Face: no normalizer (the held-out round trip checks the rest)."""
+    if isinstance(tok, SentencePieceTokenizer):
+        return tok.normalizer is None and tok.byte_fallback
+    return tok.normalizer is None
+
+
+def _normalizer_note(tok: Tokenizer) -> dict[str, Any]:
+    """For a normalising Hugging Face tokenizer: its normalizer and what that costs."""
+    if tok.backend != "hf" or tok.normalizer is None:
+        return {}
+    return {"normalizer": tok.normalizer,
+            "lossy": f"text that {tok.normalizer} normalisation changes does not round-trip"}

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from lmforge.tokenizer import Tokenizer, flatten_ids
+from lmforge.tokenizer import BYTE, SPECIAL, Tokenizer, flatten_ids
 from lmforge.tokenizer.corpus import TextBatch, iter_text_batches
 
 # Held-out characters scored at most: the val split of a large corpus is itself large,
@@ -19,15 +19,19 @@ _COUNTS = ("docs", "chars", "bytes", "tokens", "byte_tokens", "unk_tokens",
 
 
 def vocab_stats(tok: Tokenizer) -> dict[str, int]:
-    """Alphabet size (single-character pieces), merges (longer pieces), byte and special ids."""
-    sp = tok.sp
+    """Alphabet size (single-character pieces), merges (longer pieces), byte and special ids.
+
+    For byte-level BPE a single-character piece is one byte of its 256-symbol alphabet,
+    and there are no byte-fallback pieces.
+    """
     stats = {"alphabet_size": 0, "merges_learned": 0, "byte_pieces": 0, "special_pieces": 0}
     for i in range(tok.vocab_size):
-        if sp.is_byte(i):
+        kind = tok.kind(i)
+        if kind == BYTE:
             stats["byte_pieces"] += 1
-        elif sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i):
+        elif kind == SPECIAL:
             stats["special_pieces"] += 1
-        elif len(sp.id_to_piece(i)) == 1:
+        elif len(tok.piece(i)) == 1:
             stats["alphabet_size"] += 1
         else:
             stats["merges_learned"] += 1
@@ -36,8 +40,12 @@ def vocab_stats(tok: Tokenizer) -> dict[str, int]:
 
 def heldout_stats(tok: Tokenizer, parts: Iterable[Path], num_threads: int = 0,
                   max_chars: int = EVAL_CHARS) -> dict[str, Any]:
-    """Per-domain chars/token, bytes/token, byte-fallback and unknown rates, round trips."""
-    is_byte = np.array([tok.sp.is_byte(i) for i in range(tok.vocab_size)], dtype=bool)
+    """Per-domain chars/token, bytes/token, byte-fallback and unknown rates, round trips.
+
+    Byte fallback counts ``<0xNN>`` pieces (none in byte-level BPE, whose rate is 0); the
+    unknown rate counts ``unk_id`` (none = 0).
+    """
+    is_byte = np.array([tok.kind(i) == BYTE for i in range(tok.vocab_size)], dtype=bool)
     acc: dict[str, dict[str, int]] = {}
     chars = 0
     for batch in _batches(parts):

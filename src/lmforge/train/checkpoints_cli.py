@@ -16,7 +16,7 @@ from lmforge.train.telemetry import format_duration
 SHARDS = Path("data/shards")
 SFT = Path("data/sft")
 DPO = Path("data/dpo")
-TOKENIZER = Path("models/tokenizer/tokenizer.model")
+TOKENIZER = Path("models/tokenizer")  # the tokenizer stage's folder, either backend
 
 
 def current_identity(params: Params, shards: Path = SHARDS,
@@ -27,7 +27,7 @@ def current_identity(params: Params, shards: Path = SHARDS,
     they are never reported as differences. The world size is ``train.nproc`` (a
     multi-node torchrun run records its own: it shows as a difference).
     """
-    from lmforge.shards.format import file_sha256
+    from lmforge.tokenizer.files import find_tokenizer, tokenizer_sha256
     from lmforge.train.warm_start import weights_sha256
 
     manifests = [shards / split / "manifest.json" for split in ("train", "val")]
@@ -36,12 +36,12 @@ def current_identity(params: Params, shards: Path = SHARDS,
               for m in manifests]
     identity = ckpt.run_identity(
         params.model, params.train, params.train.nproc, loaded[0], loaded[1],
-        file_sha256(tokenizer) if tokenizer.is_file() else "",
+        tokenizer_sha256(tokenizer) if find_tokenizer(tokenizer) else "",
         weights_sha256(params.train.init_from)
         if params.train.init_from and Path(params.train.init_from).exists() else None)
     if not have_data:
         del identity["data"]
-    if not tokenizer.is_file():
+    if find_tokenizer(tokenizer) is None:
         del identity["tokenizer_sha256"]
     return identity
 
@@ -55,7 +55,7 @@ def current_sft_identity(params: Params, sft: Path = SFT, shards: Path = SHARDS,
     architecture without its config.json, the data without the stage's shards.
     """
     from lmforge.config import ModelConfig, from_dict
-    from lmforge.shards.format import file_sha256
+    from lmforge.tokenizer.files import find_tokenizer, tokenizer_sha256
     from lmforge.train.warm_start import weights_sha256
 
     cfg = params.sft if stage == "sft" else params.dpo
@@ -78,14 +78,14 @@ def current_sft_identity(params: Params, sft: Path = SFT, shards: Path = SHARDS,
                                     or default_len, doc_mask=doc_mask)
     identity = ckpt.run_identity(
         model, cfg, cfg.nproc, loaded[0], loaded[1],
-        file_sha256(tokenizer) if tokenizer.is_file() else "",
+        tokenizer_sha256(tokenizer) if find_tokenizer(tokenizer) else "",
         weights_sha256(init) if init.exists() else None,
         replay_manifest=(json.loads(replay.read_text(encoding="utf-8"))
                          if replaying and replay.is_file() else None),
         stage=stage)
     if not have_data or (replaying and not replay.is_file()):
         del identity["data"]
-    if not tokenizer.is_file():
+    if find_tokenizer(tokenizer) is None:
         del identity["tokenizer_sha256"]
     if not base_cfg.is_file():
         del identity["model"]

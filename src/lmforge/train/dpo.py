@@ -20,7 +20,7 @@ from lmforge.errors import InputError
 from lmforge.io import write_json, write_text
 from lmforge.model.lora import adamw_state_bytes
 from lmforge.model.saved import WEIGHTS, extend_context, load_checkpoint_model, load_model
-from lmforge.shards.format import file_sha256
+from lmforge.tokenizer.files import find_tokenizer, tokenizer_sha256
 from lmforge.train import distributed
 from lmforge.train.fsdp import build_sharded, ensure_process_group, shard_model
 from lmforge.train.loop import TrainData, TrainResult, open_shard_data, train
@@ -43,7 +43,7 @@ class DpoPaths:
 
     train_shards: Path = Path("data/dpo/train")
     val_shards: Path = Path("data/dpo/val")
-    tokenizer: Path = Path("models/tokenizer/tokenizer.model")
+    tokenizer: Path = Path("models/tokenizer")  # a folder (or file), either backend
     checkpoints: Path = Path("models/checkpoints")
     final: Path = Path("models/dpo")
     metrics: Path = Path("metrics/dpo.json")
@@ -116,9 +116,9 @@ def run_dpo_stage(params: Params, paths: DpoPaths, module: str = "stages.dpo") -
     ensure_outside(cfg.init_from, paths.final, "an output of this stage", "dpo.init_from")
     env = distributed.setup(cfg.device, cfg.num_threads)
     try:
-        if not paths.tokenizer.is_file():
+        if find_tokenizer(paths.tokenizer) is None:
             raise InputError(f"{paths.tokenizer}: no tokenizer (run the tokenizer stage)")
-        tokenizer_sha = file_sha256(paths.tokenizer)
+        tokenizer_sha = tokenizer_sha256(paths.tokenizer)
         data = open_dpo_data(paths, tokenizer_sha)
         run_params = loop_params(params, data, tokenizer_sha)
         data.objective = make_objective(params, run_params, data, env)

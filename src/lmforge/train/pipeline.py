@@ -12,7 +12,8 @@ from lmforge.config import Params
 from lmforge.errors import InputError, LmforgeError
 from lmforge.io import write_json, write_text
 from lmforge.model.saved import save_model
-from lmforge.shards.format import file_sha256
+from lmforge.tokenizer import Tokenizer
+from lmforge.tokenizer.files import find_tokenizer, tokenizer_sha256
 from lmforge.train import distributed
 from lmforge.train.loop import TrainResult, open_shard_data, train
 from lmforge.train.warm_start import ensure_outside
@@ -29,7 +30,7 @@ class TrainPaths:
 
     train_shards: Path = Path("data/shards/train")
     val_shards: Path = Path("data/shards/val")
-    tokenizer: Path = Path("models/tokenizer/tokenizer.model")
+    tokenizer: Path = Path("models/tokenizer")  # a folder (or file), either backend
     checkpoints: Path = Path("models/checkpoints")
     final: Path = Path("models/final")
     metrics: Path = Path("metrics/train.json")
@@ -49,9 +50,9 @@ def run_train_stage(params: Params, paths: TrainPaths, module: str = "stages.tra
         ensure_outside(params.train.init_from, paths.final, "an output of this stage")
     env = distributed.setup(params.train.device, params.train.num_threads)
     try:
-        if not paths.tokenizer.is_file():
+        if find_tokenizer(paths.tokenizer) is None:
             raise InputError(f"{paths.tokenizer}: no tokenizer (run the tokenizer stage)")
-        tokenizer_sha = file_sha256(paths.tokenizer)
+        tokenizer_sha = tokenizer_sha256(paths.tokenizer)
         data = open_shard_data(paths.train_shards, paths.val_shards)
         for where, shards in ((paths.train_shards, data.train), (paths.val_shards, data.val)):
             if shards.tokenizer_sha256 != tokenizer_sha:
@@ -114,29 +115,22 @@ def _run_self_check(params: Params, data: Any, env: Any) -> None:
 def sample_prompts(tokenizer: Path, texts: list[str],
                    special: dict[str, int]) -> list[tuple[str, list[int]]]:
     """(text, ids) per ``train.sample_prompts``, each after BOS; none = BOS alone."""
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    tok = Tokenizer.load(tokenizer)
     start = special["bos"] if special["bos"] >= 0 else special["eos"]
     head = [start] if start >= 0 else []
-    prompts = [(t, head + sp.encode(t)) for t in texts]
+    prompts = [(t, head + tok.encode(t)) for t in texts]
     if not prompts and head:
         prompts = [("", head)]
     return [(t, ids) for t, ids in prompts if ids]
 
 
 def special_ids(tokenizer: Path) -> dict[str, int]:
-    """bos/eos/pad/unk ids of a sentencepiece model (-1 where it has none)."""
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
-    return {"bos": sp.bos_id(), "eos": sp.eos_id(), "pad": sp.pad_id(), "unk": sp.unk_id()}
+    """bos/eos/pad/unk ids of the tokenizer (-1 where it has none)."""
+    return Tokenizer.load(tokenizer).special_ids()
 
 
 def _decoder(tokenizer: Path) -> Any:
-    import sentencepiece as spm
-
-    return spm.SentencePieceProcessor(model_file=str(tokenizer)).decode
+    return Tokenizer.load(tokenizer).decode
 
 
 def write_outputs(result: TrainResult, paths: TrainPaths, special: dict[str, int],

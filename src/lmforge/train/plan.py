@@ -63,7 +63,7 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 # device for the caching allocator's fragmentation.
 RESERVE_GIB = 1.0
 FRAGMENTATION = 0.10
-TOKENIZER = Path("models/tokenizer/tokenizer.model")  # the pipeline's, beside params.yaml
+TOKENIZER = Path("models/tokenizer")  # the pipeline's, beside params.yaml (either backend)
 
 # Preset shapes for `--shape`. Llama-3.2-1B: 16 layers, 2048 wide, 32 heads, 8 KV heads,
 # MLP 8192 (our rule, 8/3 * n_embd rounded up to ffn_multiple_of, gives 8192 with 4096),
@@ -450,8 +450,10 @@ def _vocab(args: argparse.Namespace, params: Params, preset: dict[str, Any] | No
         return args.vocab, "--vocab"
     if preset is not None:
         return preset["vocab"], "preset"
+    from lmforge.tokenizer.files import find_tokenizer
+
     for path in (params.tokenizer.init_from, params_path.parent / TOKENIZER):
-        if path and Path(path).is_file():
+        if path and find_tokenizer(path) is not None:
             from lmforge.tokenizer import Tokenizer
 
             return Tokenizer.load(path).vocab_size, str(path)

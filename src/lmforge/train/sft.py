@@ -22,6 +22,7 @@ from lmforge.io import write_json, write_text
 from lmforge.model.lora import adamw_state_bytes, merge_lora, save_adapter, trainable_parameters
 from lmforge.model.saved import load_model, save_model
 from lmforge.shards.format import file_sha256
+from lmforge.tokenizer.files import find_tokenizer, tokenizer_sha256
 from lmforge.train import distributed
 from lmforge.train.loop import TrainData, TrainResult, open_shard_data, train
 from lmforge.train.pipeline import (
@@ -41,7 +42,7 @@ class SftPaths:
     train_shards: Path = Path("data/sft/train")
     val_shards: Path = Path("data/sft/val")
     replay_shards: Path = Path("data/shards/train")
-    tokenizer: Path = Path("models/tokenizer/tokenizer.model")
+    tokenizer: Path = Path("models/tokenizer")  # a folder (or file), either backend
     checkpoints: Path = Path("models/checkpoints")
     final: Path = Path("models/sft")
     metrics: Path = Path("metrics/sft.json")
@@ -95,9 +96,9 @@ def run_sft_stage(params: Params, paths: SftPaths, module: str = "stages.sft") -
     ensure_outside(cfg.init_from, paths.final, "an output of this stage", "sft.init_from")
     env = distributed.setup(cfg.device, cfg.num_threads)
     try:
-        if not paths.tokenizer.is_file():
+        if find_tokenizer(paths.tokenizer) is None:
             raise InputError(f"{paths.tokenizer}: no tokenizer (run the tokenizer stage)")
-        tokenizer_sha = file_sha256(paths.tokenizer)
+        tokenizer_sha = tokenizer_sha256(paths.tokenizer)
         data = open_sft_data(params, paths, tokenizer_sha)
         seq_len = int(data.train.manifest.get("seq_len", 0)) or params.sft_data.seq_len
         run_params = loop_params(params, base_config(cfg.init_from, tokenizer_sha), seq_len)

@@ -139,7 +139,7 @@ def _check_source(ours: ModelConfig, our_vocab: int, theirs: ModelConfig, their_
     if recorded and tokenizer_sha256 and recorded != tokenizer_sha256:
         raise InputError(
             f"{key}: {source} was trained with tokenizer {recorded[:12]}, the shards "
-            f"use {tokenizer_sha256[:12]}; set tokenizer.init_from to its tokenizer.model "
+            f"use {tokenizer_sha256[:12]}; set tokenizer.init_from to its folder (its tokenizer) "
             "and rebuild the shards")
     return "" if recorded else " (its tokenizer is unrecorded: not checked)"
 
