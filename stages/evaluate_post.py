@@ -39,7 +39,7 @@ from lmforge.evaluate.preferences import (
 )
 from lmforge.evaluate.tasks import read_task_records, score_choices, score_responses, tasks_markdown
 from lmforge.evaluate.tracking import open_eval_run
-from lmforge.finetune.template import END_MARKER, generation_prompt, marker_ids
+from lmforge.finetune.template import chat_format
 from lmforge.io import write_json, write_text
 from lmforge.model import load_model
 from lmforge.model.generate import generate
@@ -81,10 +81,14 @@ def task_scores(model: torch.nn.Module, tok: Tokenizer, params: Params, device: 
 
 def chat_reply(model: torch.nn.Module, tok: Tokenizer, question: str,
                max_new_tokens: int) -> str:
-    """The greedy reply to one user message, up to ``<|end|>``."""
-    ids = generation_prompt([("user", question)], tok)
-    end = marker_ids(tok)[END_MARKER]
-    out = [t for t in generate(model, ids, max_new_tokens, eos_id=end) if t != end]
+    """The greedy reply to one user message, up to its end of turn (or EOS)."""
+    fmt = chat_format(tok)
+    ids = fmt.generation_prompt([("user", question)])
+    out = []
+    for token in generate(model, ids, max_new_tokens):
+        if token in fmt.stop_ids or token == tok.eos_id:
+            break
+        out.append(token)
     return tok.decode(out)
 
 

@@ -1,10 +1,12 @@
-"""``lmforge chat``: talk to a fine-tuned model through the chat template.
+"""``lmforge chat``: talk to a fine-tuned model through its chat format.
 
-Each user message is rendered with the conversation so far (``generation_prompt``: BOS,
-``<|role|>content<|end|>`` per turn, then ``<|assistant|>``), and the reply is streamed
-from ``generate`` (one prefill, then the KV cache) until ``<|end|>`` -- or the
-tokenizer's EOS, which also ends a document -- or ``max_new_tokens``. Greedy by default,
-so a conversation is reproducible.
+Each user message is rendered with the conversation so far, in the model's own chat
+template when its tokenizer folder has one (an imported SmolLM2, Qwen or Llama 3: ChatML
+or Llama 3's headers), else ours (``generation_prompt``: BOS, ``<|role|>content<|end|>``
+per turn, then ``<|assistant|>``), and the reply is streamed from ``generate`` (one
+prefill, then the KV cache) until the end-of-turn token (``<|end|>``, ``<|im_end|>``,
+``<|eot_id|>``) -- or the tokenizer's EOS, which also ends a document -- or
+``max_new_tokens``. Greedy by default, so a conversation is reproducible.
 
 Interactive (no ``-m``): a REPL on stdin; ``/reset`` starts over (the system message is
 kept), ``/exit`` or end of input quits. One-shot (``-m`` once or more): each message is
@@ -29,7 +31,7 @@ import torch
 
 from lmforge.errors import InputError, LmforgeError
 from lmforge.finetune.records import ASSISTANT, SYSTEM, USER, Turn
-from lmforge.finetune.template import END_MARKER, generation_prompt, marker_ids
+from lmforge.finetune.template import chat_format
 from lmforge.model.generate import generate
 from lmforge.model.llama import Llama
 from lmforge.tokenizer import Tokenizer
@@ -44,11 +46,13 @@ class ChatSession:
     def __init__(self, model: Llama, tokenizer: Tokenizer, *, system: str | None = None,
                  max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, err: TextIO | None = None) -> None:
-        """Check the tokenizer carries the chat markers (``InputError`` if not)."""
+        """Check the tokenizer has a chat format: the model's own template, or our
+        markers (``InputError`` if neither)."""
         _check_settings(max_new_tokens, temperature, top_k, top_p)
         self.model, self.tokenizer = model, tokenizer
-        self.end_id = marker_ids(tokenizer)[END_MARKER]
-        self.stop_ids = {self.end_id} | ({tokenizer.eos_id} if tokenizer.eos_id >= 0 else set())
+        self.format = chat_format(tokenizer)
+        self.stop_ids = set(self.format.stop_ids) | (
+            {tokenizer.eos_id} if tokenizer.eos_id >= 0 else set())
         self.system = system or None
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.top_k, self.top_p = top_k, top_p
@@ -94,10 +98,10 @@ class ChatSession:
         room = min(self.max_new_tokens, seq_len // 2)
         system = [(SYSTEM, self.system)] if self.system else []
         drop = 0
-        ids = generation_prompt(system + self.history, self.tokenizer)
+        ids = self.format.generation_prompt(system + self.history)
         while len(ids) > seq_len - room and drop + 1 < len(self.history):
             drop += 2  # a user turn and the reply to it
-            ids = generation_prompt(system + self.history[drop:], self.tokenizer)
+            ids = self.format.generation_prompt(system + self.history[drop:])
         if len(ids) > seq_len - room:
             raise InputError(f"chat: the message makes a {len(ids)}-token prompt; the model's "
                              f"{seq_len}-token context keeps {room} for the reply")
@@ -107,10 +111,10 @@ class ChatSession:
         return ids
 
     def _tokens(self, prompt: list[int]) -> Generator[int, None, None]:
-        """The reply's token ids from ``generate`` (KV cache), up to a stop id."""
+        """The reply's token ids from ``generate`` (KV cache); ``stream_reply`` closes it
+        at the first stop id."""
         return generate(self.model, prompt, self.max_new_tokens, temperature=self.temperature,
-                        top_k=self.top_k, top_p=self.top_p, eos_id=self.end_id,
-                        generator=self.generator)
+                        top_k=self.top_k, top_p=self.top_p, generator=self.generator)
 
     def _warn_once(self, seq_len: int) -> None:
         """Say on stderr, once per session, that old turns are being dropped."""

@@ -38,7 +38,7 @@ from lmforge.data import readers
 from lmforge.data.readers import Reject
 from lmforge.errors import InputError
 from lmforge.finetune.records import ASSISTANT, Turn, iter_examples
-from lmforge.finetune.template import generation_prompt, render
+from lmforge.finetune.template import chat_format
 from lmforge.model.llama import Llama
 from lmforge.model.loss import IGNORE_INDEX
 from lmforge.tokenizer import Tokenizer
@@ -226,14 +226,19 @@ def reply_sequence(prompt: Sequence[Turn], reply: str, tokenizer: Tokenizer
                    ) -> tuple[list[int], int]:
     """(ids, start): ``prompt`` + ``reply`` rendered, and where the reply's tokens start.
 
-    ``ids[start:]`` are the reply's content ids and ``<|end|>``: the SFT loss mask of the
-    last turn. ``render`` encodes each content on its own, so the generation prompt is
-    an exact prefix; it is checked rather than assumed.
+    ``ids[start:]`` are the reply's content ids and its end-of-turn token (``<|end|>``,
+    ``<|im_end|>``): the SFT loss mask of the last turn, in the model's chat format;
+    what a template writes after it (a newline) is left off. The generation prompt must
+    be an exact prefix; it is checked rather than assumed.
     """
-    head = generation_prompt(prompt, tokenizer)
-    ids, mask = render((*prompt, (ASSISTANT, reply)), tokenizer)
+    fmt = chat_format(tokenizer)
+    head = fmt.generation_prompt(prompt)
+    ids, mask = fmt.render((*prompt, (ASSISTANT, reply)))
+    end = len(mask) - mask[::-1].index(1) if any(mask) else len(mask)
+    ids, mask = ids[:end], mask[:end]
     if ids[:len(head)] != head or not all(mask[len(head):]):
-        raise AssertionError("the chat template's prompt is not a prefix of the conversation")
+        raise InputError(f"{fmt.where}: the generation prompt is not a prefix of the "
+                         "conversation, so a reply's tokens cannot be told apart")
     return ids, len(head)
 
 

@@ -18,7 +18,7 @@ from lmforge.config import SftDataConfig
 from lmforge.errors import InputError
 from lmforge.finetune.pack import Packed, pack, split_by_hash
 from lmforge.finetune.records import ASSISTANT, read_examples
-from lmforge.finetune.template import END_MARKER, marker_ids, render_all
+from lmforge.finetune.template import chat_format, render_all
 from lmforge.io import atomic_dir
 from lmforge.shards.writer import ShardWriter
 from lmforge.tokenizer import Tokenizer
@@ -62,7 +62,7 @@ def build(cfg: SftDataConfig, tokenizer_path: Path, out: Path) -> dict[str, Any]
     if find_tokenizer(tokenizer_path) is None:
         raise InputError(f"{tokenizer_path}: no tokenizer (run the tokenizer stage)")
     tok = Tokenizer.load(tokenizer_path)
-    markers = marker_ids(tok)  # a tokenizer without the chat markers: one clear line
+    fmt = chat_format(tok)  # the model's template, or ours: one clear line if neither
     result = read_examples(source_files(cfg.sources), cfg.max_record_bytes)
     rendered = render_all(result, tok, max_tokens=cfg.seq_len)
     if not rendered:
@@ -75,7 +75,7 @@ def build(cfg: SftDataConfig, tokenizer_path: Path, out: Path) -> dict[str, Any]
         raise InputError(f"sft_data: {len(rendered)} examples are too few to hold out "
                          f"val_fraction={cfg.val_fraction} (train {len(train_idx)}, val "
                          f"{len(val_idx)})")
-    pad = markers[END_MARKER]  # any id: padding is never a target
+    pad = fmt.pad_id  # any id: padding is never a target
     metrics: dict[str, Any] = {"counts": result.counts.as_dict(), "seq_len": cfg.seq_len}
     with atomic_dir(out) as tmp:
         for split, idx in (("train", train_idx), ("val", val_idx)):

@@ -17,7 +17,7 @@ from lmforge.finetune.build import SHOW_REJECTS, source_files, split_metrics, wr
 from lmforge.finetune.pack import split_by_hash
 from lmforge.finetune.preferences import pack_pairs, parse_pair, render_pairs
 from lmforge.finetune.records import ASSISTANT, read_examples
-from lmforge.finetune.template import END_MARKER, Rendered, marker_ids
+from lmforge.finetune.template import Rendered, chat_format
 from lmforge.io import atomic_dir
 from lmforge.tokenizer import Tokenizer
 from lmforge.tokenizer.files import find_tokenizer
@@ -32,7 +32,7 @@ def build_pairs(cfg: DpoDataConfig, tokenizer_path: Path, out: Path) -> dict[str
     if find_tokenizer(tokenizer_path) is None:
         raise InputError(f"{tokenizer_path}: no tokenizer (run the tokenizer stage)")
     tok = Tokenizer.load(tokenizer_path)
-    markers = marker_ids(tok)
+    fmt = chat_format(tok)  # the model's template, or ours: one clear line if neither
     files = source_files(cfg.sources, "dpo_data.sources")
     result = read_examples(files, cfg.max_record_bytes, parse=parse_pair)
     pairs = render_pairs(result, tok, max_tokens=cfg.seq_len)
@@ -48,7 +48,7 @@ def build_pairs(cfg: DpoDataConfig, tokenizer_path: Path, out: Path) -> dict[str
         raise InputError(f"dpo_data: {len(pairs)} pairs are too few to hold out "
                          f"val_fraction={cfg.val_fraction} (train {len(train_idx)}, val "
                          f"{len(val_idx)})")
-    pad = markers[END_MARKER]  # any id: padding is never a target
+    pad = fmt.pad_id  # any id: padding is never a target
     metrics: dict[str, Any] = {"counts": result.counts.as_dict(), "seq_len": cfg.seq_len}
     with atomic_dir(out) as tmp:
         for split, idx in (("train", train_idx), ("val", val_idx)):

@@ -16,6 +16,11 @@ after it. This needs each rendering to be a prefix of the next, in ids; a templa
 rewrites earlier turns when a later one follows (Qwen3's drops the reasoning of earlier
 assistant turns) breaks that, and such a conversation is rejected with the reason
 ``template_not_prefix`` rather than trained on with a mask in the wrong place.
+
+A message holding a special token's text (``<|im_end|>`` typed in a question) would, as
+in transformers, encode to that token and so close a turn the writer never closed: such
+a conversation is rejected with the reason ``special_token_in_text`` (counted, as every
+reject), so our ids equal ``apply_chat_template``'s on everything that is kept.
 """
 
 from __future__ import annotations
@@ -37,12 +42,14 @@ from lmforge.finetune.records import ASSISTANT, Turn
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 NOT_PREFIX = "template_not_prefix"
+SPECIAL_IN_TEXT = "special_token_in_text"
 # What transformers hands a template besides the messages (its special tokens map).
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
-class TemplateError(ValueError):
-    """A conversation this template cannot render with a well-placed loss mask."""
+class TemplateError(InputError):
+    """A conversation this template cannot render with a well-placed loss mask: a
+    record is rejected for it (``reason``), a chat message refused in one line."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -89,6 +96,17 @@ def special_tokens(directory: str | Path) -> dict[str, str]:
     return out
 
 
+def stop_token_ids(directory: str | Path) -> set[int]:
+    """The EOS ids ``generation_config.json`` lists (one or several), if it is there."""
+    path = Path(directory) / "generation_config.json"
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return set()
+    values = value if isinstance(value, list) else [value]
+    return {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     """The sandbox transformers renders chat templates in (trim_blocks, lstrip_blocks,
     loop controls, its ``tojson``, ``raise_exception`` and ``strftime_now``)."""
@@ -114,9 +132,10 @@ class ModelTemplate:
     """A chat template with the tokenizer it renders for.
 
     ``encode`` turns text into ids (special tokens in the text matched, none added);
-    ``special_ids`` are the tokenizer's special (added) token ids; ``stop_ids`` are the
-    ids generation stops at (the configured EOS ids; the end-of-turn token found by
-    rendering a probe conversation is added at construction).
+    ``special_ids`` are the tokenizer's special (added) token ids and ``special_texts``
+    their strings (refused inside a message); ``stop_ids`` are the ids generation stops
+    at (the configured EOS ids; the end-of-turn token found by rendering a probe
+    conversation is added at construction).
     """
 
     template: str
@@ -125,16 +144,23 @@ class ModelTemplate:
     special_ids: frozenset[int]
     tokens: dict[str, str]
     stop_ids: frozenset[int] = frozenset()
+    special_texts: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         try:
             self._compiled = _environment().from_string(self.template)
         except jinja2.TemplateError as e:
             raise InputError(f"{self.where}: not a valid Jinja template ({e})") from None
-        self.stop_ids = frozenset(self.stop_ids) | {self.end_of_turn_id()}
+        self._end = self._find_end_of_turn()
+        self.stop_ids = frozenset(self.stop_ids) | {self._end}
 
     def text(self, turns: Sequence[Turn], add_generation_prompt: bool = False) -> str:
         """The conversation as the template writes it."""
+        for i, (_, content) in enumerate(turns):
+            found = next((t for t in self.special_texts if t in content), None)
+            if found is not None:
+                raise TemplateError(SPECIAL_IN_TEXT, f"turn {i + 1} holds {found!r}, which "
+                                    "would encode to the special token")
         messages = [{"role": role, "content": content} for role, content in turns]
         try:
             return self._compiled.render(messages=messages, tools=None, documents=None,
@@ -159,8 +185,17 @@ class ModelTemplate:
         """The ids the next assistant turn is generated from."""
         return self.encode(self.text(turns, add_generation_prompt=True))
 
+    @property
+    def pad_id(self) -> int:
+        """An id to pad packed rows with (never a target): the end of turn."""
+        return self.end_of_turn_id()
+
     def end_of_turn_id(self) -> int:
-        """The token that closes an assistant turn, read off a rendered probe."""
+        """The token that closes an assistant turn."""
+        return self._end
+
+    def _find_end_of_turn(self) -> int:
+        """The end-of-turn token, read off a rendered probe conversation."""
         probe = [("user", "Hi"), (ASSISTANT, "Hello")]
         before = self.generation_prompt(probe[:1])
         after = self.encode(self.text(probe))

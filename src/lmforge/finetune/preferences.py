@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from lmforge.finetune.model_template import TemplateError
 from lmforge.finetune.pack import Packed, bins_best_fit, pack_groups
 from lmforge.finetune.records import (
     ASSISTANT,
@@ -37,7 +38,7 @@ from lmforge.finetune.records import (
     _messages,
     _string,
 )
-from lmforge.finetune.template import TOO_LONG, Rendered, render
+from lmforge.finetune.template import TOO_LONG, Rendered, chat_format
 from lmforge.tokenizer import Tokenizer
 
 IDENTICAL_PAIR = "identical_pair"
@@ -92,9 +93,11 @@ def parse_pair(obj: dict[str, Any]) -> Pair:
 
 def render_response(prompt: Sequence[Turn], response: Sequence[Turn], tokenizer: Tokenizer
                     ) -> tuple[list[int], list[int]]:
-    """(ids, mask) of prompt + response; the mask covers the response's assistant turns."""
-    ids, mask = render([*prompt, *response], tokenizer)
-    context = len(render(prompt, tokenizer)[0]) if prompt else 1  # BOS alone
+    """(ids, mask) of prompt + response in the model's chat format; the mask covers the
+    response's assistant turns (an empty prompt renders as what precedes every turn)."""
+    fmt = chat_format(tokenizer)
+    ids, mask = fmt.render([*prompt, *response])
+    context = len(fmt.render(prompt)[0])
     return ids, [0] * context + mask[context:]
 
 
@@ -107,14 +110,18 @@ def render_pairs(result: ReadResult, tokenizer: Tokenizer, max_tokens: int
     kept, out = [], []
     for ex in result.examples:
         pair: Pair = ex.turns
-        sides = [render_response(pair.prompt, resp, tokenizer)
-                 for resp in (pair.chosen, pair.rejected)]
-        total = sum(len(ids) for ids, _ in sides)
-        if total > max_tokens:
+        try:
+            sides = [render_response(pair.prompt, resp, tokenizer)
+                     for resp in (pair.chosen, pair.rejected)]
+            total = sum(len(ids) for ids, _ in sides)
+            bad = ((TOO_LONG, f"chosen + rejected are {total} tokens > seq_len={max_tokens}")
+                   if total > max_tokens else None)
+        except TemplateError as e:
+            bad = (e.reason, e.detail)
+        if bad is not None:
             result.counts.n_in -= 1  # counted again by reject()
             result.counts.kept -= 1
-            result.reject(ex.file, ex.line, TOO_LONG,
-                          f"chosen + rejected are {total} tokens > seq_len={max_tokens}")
+            result.reject(ex.file, ex.line, *bad)
             continue
         kept.append(ex)
         out.append(tuple(Rendered(ex.file, ex.line, ids, mask) for ids, mask in sides))

@@ -44,9 +44,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from lmforge.config import CHAT_MARKERS
 from lmforge.errors import InputError
+from lmforge.finetune.model_template import (
+    ModelTemplate,
+    TemplateError,
+    read_template,
+    special_tokens,
+    stop_token_ids,
+)
 from lmforge.finetune.records import ASSISTANT, ROLES, SYSTEM, USER, ReadResult, Turn
 from lmforge.tokenizer import Tokenizer
 
@@ -156,17 +164,73 @@ class Rendered:
     mask: list[int]
 
 
+class OwnFormat:
+    """Our template (the markers above) behind the interface a model's own template has
+    (:class:`~lmforge.finetune.model_template.ModelTemplate`): ``render``,
+    ``generation_prompt``, ``stop_ids``, ``pad_id``."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.markers = marker_ids(tokenizer)  # one clear line when it lacks them
+        self.where = "lmforge's chat template"
+
+    def render(self, turns: Sequence[Turn]) -> tuple[list[int], list[int]]:
+        return render(turns, self.tokenizer)
+
+    def generation_prompt(self, turns: Sequence[Turn]) -> list[int]:
+        return generation_prompt(turns, self.tokenizer)
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return frozenset({self.markers[END_MARKER]})
+
+    @property
+    def pad_id(self) -> int:
+        return self.markers[END_MARKER]
+
+
+ChatFormat = OwnFormat | ModelTemplate
+# By tokenizer sha256 and template text: building one renders a probe conversation.
+_FORMATS: dict[tuple[str, str | None], ChatFormat] = {}
+
+
+def chat_format(tokenizer: Tokenizer) -> ChatFormat:
+    """How conversations are rendered for ``tokenizer``'s model: the model's own template
+    when the tokenizer's folder holds one (an imported chat model's, as ``import hf`` and
+    the tokenizer stage copy it), else ours (models lmforge trained)."""
+    folder = Path(tokenizer.name).parent
+    found = read_template(folder) if tokenizer.backend == "hf" else None
+    key = (tokenizer.sha256, found[0] if found else None)
+    if key not in _FORMATS:
+        if found is None:
+            _FORMATS[key] = OwnFormat(tokenizer)
+        else:
+            texts = tokenizer.special_texts()
+            eos = {tokenizer.eos_id} if tokenizer.eos_id >= 0 else set()
+            _FORMATS[key] = ModelTemplate(
+                found[0], found[1], tokenizer.encode_markup,
+                frozenset(tokenizer.token_to_id(t) for t in texts), special_tokens(folder),
+                frozenset(eos | stop_token_ids(folder)), texts)
+    return _FORMATS[key]
+
+
 def render_all(result: ReadResult, tokenizer: Tokenizer, max_tokens: int | None
                ) -> list[Rendered]:
-    """Render every kept example; one that fails ``check_rendered`` moves to the rejects.
+    """Render every kept example with the model's chat format (:func:`chat_format`); one
+    that fails ``check_rendered``, or that the template cannot render with a well-placed
+    mask, moves to the rejects.
 
     ``result`` is updated in place (its examples, rejects and counts), so
     ``in == kept + rejected`` still holds.
     """
+    fmt = chat_format(tokenizer)
     kept, out = [], []
     for ex in result.examples:
-        ids, mask = render(ex.turns, tokenizer)
-        bad = check_rendered(ids, mask, max_tokens)
+        try:
+            ids, mask = fmt.render(ex.turns)
+            bad = check_rendered(ids, mask, max_tokens)
+        except TemplateError as e:
+            bad = (e.reason, e.detail)
         if bad is not None:
             result.counts.n_in -= 1  # counted again by reject()
             result.counts.kept -= 1

@@ -106,6 +106,21 @@ class HFTokenizer(Tokenizer):
             ids.append(self.eos_id)
         return ids
 
+    def encode_markup(self, text: str) -> list[int]:
+        """Ids of text in which special tokens' strings ARE those tokens: a chat
+        template's rendering, encoded as transformers' ``apply_chat_template`` does. Only
+        for text our code wrote around checked contents (``finetune.model_template``)."""
+        self.tk.encode_special_tokens = False
+        try:
+            return self.tk.encode(text, add_special_tokens=False).ids
+        finally:
+            self.tk.encode_special_tokens = True
+
+    def special_texts(self) -> frozenset[str]:
+        """The strings of the special added tokens (``<|im_end|>``, ...)."""
+        decoder = self.tk.get_added_tokens_decoder()
+        return frozenset(decoder[i].content for i in self._special)
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=True)
 
