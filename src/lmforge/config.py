@@ -383,9 +383,10 @@ class ModelConfig:
             )
         head_dim = self.head_size()
         if head_dim % 2 or head_dim < 2:
+            given = "model.head_dim" if self.head_dim else "model.n_embd/model.n_head"
             raise ConfigError(
-                f"model.head_dim: {head_dim} is odd; RoPE rotates pairs of dimensions, so it "
-                "must be even"
+                f"{given}: head_dim {head_dim} is odd; RoPE rotates pairs of dimensions, so "
+                "it must be even"
             )
         if self.rope_scaling is not None:
             self.rope_scaling.validate()
