@@ -410,6 +410,9 @@ class LoraConfig:
     dropout: float = 0.0
     # Layer names (wq wk wv wo w1 w2 w3 lm_head) or groups (attn, mlp).
     targets: list[str] = field(default_factory=lambda: ["attn", "mlp"])
+    # The dtype the frozen base is held in (model/frozen.py): auto = bf16 on a GPU (fp16
+    # without bf16), fp32 on a CPU; adapters and their optimizer state stay fp32.
+    base_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
 
     def validate(self) -> None:
         if self.rank < 1 or self.alpha <= 0 or not 0 <= self.dropout < 1 or not self.targets:

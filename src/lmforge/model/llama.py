@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lmforge.config import ModelConfig, RopeScalingConfig
 from lmforge.model import ops
+from lmforge.model.frozen import compute_weight
 from lmforge.model.loss import cross_entropy, linear_cross_entropy
 
 
@@ -207,10 +208,17 @@ def fused_linear(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> torch.Tensor
     A layer wrapped by LoRA (lmforge.model.lora) joins the GEMM with its frozen base
     weight and adds its low-rank path ``delta(x)`` on its own slice of the output, so the
     adapter costs r-wide matmuls, its input dropout applies, and the frozen weight gets no
-    gradient product.
+    gradient product. When every weight is frozen (a LoRA run's base, a DPO reference)
+    the layers run as separate GEMMs instead: the joined weight would be one more copy of
+    the base, kept for backward (two thirds of a 7B base; docs/fine-tuning-memory.md).
     """
     weights = [getattr(m, "base", m).weight for m in layers]
     biases = [getattr(m, "base", m).bias for m in layers]
+    if not any(w.requires_grad for w in weights):
+        parts = [F.linear(x, compute_weight(w, x), None if b is None else compute_weight(b, x))
+                 for w, b in zip(weights, biases, strict=True)]
+        return torch.cat([p + m.delta(x) if hasattr(m, "delta") else p
+                          for p, m in zip(parts, layers, strict=True)], dim=-1)
     bias = (torch.cat([b if b is not None else w.new_zeros(w.shape[0])
                        for b, w in zip(biases, weights, strict=True)])
             if any(b is not None for b in biases) else None)
@@ -351,8 +359,9 @@ class Llama(nn.Module):
             cache.pos += T
         x = self.norm(x)
         if targets is not None and self.fused_loss:
-            return None, linear_cross_entropy(x, self.lm_head.weight, targets,
-                                              self.label_smoothing, self.z_loss)
+            head = compute_weight(self.lm_head.weight, x)  # a 16-bit frozen head: see frozen.py
+            return None, linear_cross_entropy(x, head, targets, self.label_smoothing,
+                                              self.z_loss)
         logits = self.lm_head(x)
         if targets is None:
             return logits

@@ -101,10 +101,10 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
-        """``W + scaling * B A`` computed in fp32, returned detached in W's dtype."""
-        w = self.base.weight
+        """``W + scaling * B A`` computed and returned in fp32, detached (a base held in
+        16 bits, model/frozen.py, merges into an fp32 weight: the model it trained with)."""
         delta = (self.lora_b.float() @ self.lora_a.float()) * self.scaling
-        return (w.float() + delta).to(w.dtype)
+        return self.base.weight.float() + delta
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -218,6 +218,25 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         state[f"{name}.lora_a"] = m.lora_a.detach().cpu().contiguous()
         state[f"{name}.lora_b"] = m.lora_b.detach().cpu().contiguous()
     return state
+
+
+def checkpoint_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a training checkpoint keeps of ``model``: with adapters, the adapters alone
+    (the frozen base is the run's ``init_from``, whose sha256 is in the run's identity,
+    so a resumed run rebuilds it from there); without, the whole state."""
+    return lora_state_dict(model) if lora_modules(model) else model.state_dict()
+
+
+def load_checkpoint_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Load :func:`checkpoint_weights` (or a whole state, as LoRA checkpoints held before)
+    into ``model``: every key it names must be the model's, and whatever it leaves out
+    must be frozen."""
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    if unexpected or trained & set(missing):
+        bad = sorted(unexpected) or sorted(trained & set(missing))
+        raise InputError(f"checkpoint weights do not fit the model ({len(bad)} keys, e.g. "
+                         f"{bad[0]}): another model's checkpoint")
 
 
 def lora_settings(model: nn.Module) -> dict[str, Any]:

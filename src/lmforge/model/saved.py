@@ -117,14 +117,35 @@ def load_checkpoint_model(path: str | os.PathLike, device: str | torch.device = 
         model_cfg.validate()
     except ConfigError as e:
         raise InputError(f"{path}: bad model config ({e})") from None
-    model = Llama(model_cfg, int(state["vocab_size"]))
-    weights = state["model"]
-    if state.get("sharded"):  # FSDP: the weights are the shards in step-N.dcp/
-        weights = _load_shards(path.parent / state["sharded"], model)
-    model.load_state_dict(weights)
+    if state.get("lora"):  # a LoRA run's checkpoint: adapters on the base it names
+        model = _adapted_base(path, state, model_cfg)
+    else:
+        model = Llama(model_cfg, int(state["vocab_size"]))
+        weights = state["model"]
+        if state.get("sharded"):  # FSDP: the weights are the shards in step-N.dcp/
+            weights = _load_shards(path.parent / state["sharded"], model)
+        model.load_state_dict(weights)
     config = {"model": state["model_config"], "vocab_size": int(state["vocab_size"]),
               "step": state.get("step")}
     return model.to(device).eval(), config
+
+
+def _adapted_base(path: Path, state: dict[str, Any], model_cfg: ModelConfig) -> Llama:
+    """The base a LoRA checkpoint names, held in the dtype it trained with, its adapters
+    loaded and merged (in fp32, as the fine-tuning stage saves its model)."""
+    from lmforge.model.frozen import hold_frozen_in, restore_fp32
+    from lmforge.model.lora import apply_lora, load_checkpoint_weights, merge_lora
+
+    base = state.get("base")
+    if not base or not ((Path(base) / WEIGHTS).is_file() or Path(base).is_file()):
+        raise InputError(f"{path}: a LoRA run's checkpoint holds its adapters only, and its "
+                         f"base model {base or '(unnamed)'} is not there")
+    model = extend_context(load_model(base)[0], model_cfg.seq_len)
+    lora = state["lora"]
+    apply_lora(model, lora["rank"], lora["alpha"], lora["dropout"], lora["targets"])
+    hold_frozen_in(model, state.get("base_dtype", "fp32"))
+    load_checkpoint_weights(model, state["model"])
+    return restore_fp32(merge_lora(model))
 
 
 def _load_shards(directory: Path, model: Llama) -> dict[str, torch.Tensor]:

@@ -69,6 +69,8 @@ def run_identity(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int
         "data": [manifest_digest(train_manifest), manifest_digest(val_manifest)],
         "tokenizer_sha256": tokenizer_sha256,
     }
+    if train.get("lora") and train["lora"].get("base_dtype") in ("fp32", "auto"):
+        del train["lora"]["base_dtype"]  # fp32: what every LoRA run before the key held
     if train.get("strategy") == "ddp":
         del train["strategy"]  # the default: runs from before the key keep their names
     else:

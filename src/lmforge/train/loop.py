@@ -24,9 +24,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lmforge.config import Params, section_name
 from lmforge.errors import InputError, LmforgeError
+from lmforge.model.frozen import frozen_dtype, hold_frozen_in, resolve_base_dtype
 from lmforge.model.generate import generate
 from lmforge.model.llama import Llama
-from lmforge.model.lora import apply_lora, trainable_parameters
+from lmforge.model.lora import (
+    apply_lora,
+    checkpoint_weights,
+    load_checkpoint_weights,
+    lora_modules,
+    lora_settings,
+    trainable_parameters,
+)
 from lmforge.model.loss import IGNORE_INDEX
 from lmforge.model.saved import WEIGHTS, save_weights
 from lmforge.shards.loader import mixture_mean
@@ -165,6 +173,11 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
 
     make_reproducible(device)
     precision = resolve_precision(cfg.precision, device)
+    if cfg.lora is not None:  # the dtype the frozen base is held in, resolved for the device
+        held = resolve_base_dtype(cfg.lora.base_dtype, device, cfg.strategy,
+                                  f"{section_name(cfg)}.lora.base_dtype")
+        cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, base_dtype=held))
+        params = dataclasses.replace(params, train=cfg)
     bf16, compile_blocks = precision.name == "bf16", resolve_compile(cfg.compile, device)[0]
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model, start_note = build_model(params, vocab, env, bf16, compile_blocks, tokenizer_sha256)
@@ -223,6 +236,7 @@ def build_model(params: Params, vocab: int, env: DistEnv, bf16: bool, compile_bl
         if cfg.lora is not None:
             lora = cfg.lora
             apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets)
+            hold_frozen_in(model, lora.base_dtype)  # after wrapping: adapters stay fp32
         if cfg.strategy == "fsdp":  # from a checkpoint file: whole, then sharded
             ensure_process_group(env)
             shard_model(model, env, bf16, compile_blocks)
@@ -394,7 +408,7 @@ def _train_run(params: Params, data: TrainData, objective: Any, model: Llama,
                                  progress.wall_seconds + time.perf_counter() - t0,
                                  interval.loss_sum, interval.loss_n, dict(interval.stats))
                 _save(checkpoint_dir, fp, done, model, optimizer, scaler, loader, env,
-                      cfg.keep_last, objective, saver)
+                      cfg.keep_last, objective, saver, cfg.init_from)
                 if saver is not None and step == cfg.max_steps:
                     saver.finish()  # the last checkpoint is on disk before the outputs
             interval.excluded += time.perf_counter() - paused
@@ -504,7 +518,7 @@ def _restore(state: dict[str, Any], model: Llama, optimizer: torch.optim.Optimiz
     if state.get("sharded"):  # FSDP: every rank reads its shards from the DCP directory
         load_sharded(Path(state["path"]).parent / state["sharded"], model, optimizer)
     else:
-        model.load_state_dict(state["model"])
+        load_checkpoint_weights(model, state["model"])
         optimizer.load_state_dict(state["optimizer"])
     if state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
@@ -787,11 +801,12 @@ def _processes(n: int) -> str:
 def _save(directory: Path, fp: str, progress: _Progress, model: Llama,
           optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, loader: Any,
           env: DistEnv, keep_last: int, objective: Any = None,
-          saver: AsyncShardSaver | None = None) -> None:
+          saver: AsyncShardSaver | None = None, init_from: str | None = None) -> None:
     """Gather every rank's loader, RNG and objective state; rank 0 writes the checkpoint.
 
     With FSDP (``saver``) every rank's shards are written in the background and the
-    checkpoint is committed at the next save (or ``saver.finish()``)."""
+    checkpoint is committed at the next save (or ``saver.finish()``). A LoRA run's
+    checkpoint holds its adapters, not another copy of the base (``init_from``)."""
     mine = {"loader": loader.state_dict(), "rng": ckpt.capture_rng(env.device)}
     if hasattr(objective, "state_dict"):  # e.g. DPO's reference cache, per rank
         mine["objective"] = objective.state_dict()
@@ -804,7 +819,10 @@ def _save(directory: Path, fp: str, progress: _Progress, model: Llama,
     p = dataclasses.asdict(progress)
     p["history"] = [progress.history[s] for s in sorted(progress.history)]
     weights = ({"model": {}, "optimizer": {}, "sharded": sharded.name} if sharded else
-               {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+               {"model": checkpoint_weights(model), "optimizer": optimizer.state_dict()})
+    if lora_modules(model) and not sharded:  # adapters only: name the base they adapt
+        weights.update(lora=lora_settings(model), base=init_from,
+                       base_dtype=frozen_dtype(model))
     state = {
         "format": ckpt.FORMAT, "fingerprint": fp, "step": progress.step, **weights,
         "scaler": scaler.state_dict(), "ranks": ranks, "progress": p,
