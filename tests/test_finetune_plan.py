@@ -15,7 +15,7 @@ import torch
 
 from lmforge.cli import main
 from lmforge.config import ModelConfig
-from lmforge.model.llama import Llama, ffn_hidden_size
+from lmforge.model.llama import Llama
 from lmforge.model.lora import apply_lora, lora_modules, trainable_parameters
 from lmforge.train import finetune_plan as fp
 from lmforge.train import plan as pl
@@ -305,3 +305,8 @@ def test_docs_page_is_the_commands_output():
     page = (REPO / mod.PAGE).read_text()
     assert page == mod.render(page), "docs/fine-tuning-memory.md is stale: run " \
         "python scripts/plan_docs.py"
+    # The matrix's cells come from the function the command calls; one against the command.
+    doc = json.loads(mod.run("lmforge plan --mode qlora --shape 8b --device cpu "
+                             "--device-gb 64 --json"))
+    want = mod.cell("8b", "qlora", "cpu", 64)
+    assert {k: doc[k] for k in want} == want

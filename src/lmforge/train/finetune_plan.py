@@ -396,6 +396,18 @@ def format_table(p: dict[str, Any], source: str) -> str:
     return "\n".join(lines)
 
 
+def preset_tune(key: str, mode: str = "lora", device: str = "cuda") -> Tune:
+    """A preset shape (plan.SHAPES) with the command's defaults: bf16, fused loss, no
+    document mask, rank and targets of :class:`lmforge.config.LoraConfig`."""
+    from lmforge.config import LoraConfig
+
+    shape = pl.SHAPES[key]
+    cfg = ModelConfig(**{k: v for k, v in shape.items() if k not in ("vocab", "name")})
+    lora = LoraConfig()
+    return Tune(pl.Setup(cfg, shape["vocab"]), mode, lora.rank, targets_from(lora.targets),
+                device)
+
+
 def targets_from(spec: str | list[str]) -> tuple[str, ...]:
     """``attn,mlp`` / ``["wq", "wv"]`` -> leaf names in lora.TARGETS order (one-line errors)."""
     from lmforge.model.lora import resolve_targets
@@ -414,11 +426,11 @@ def build_tune(args: argparse.Namespace) -> tuple[Tune, int, dict[str, str]]:
     """
     from lmforge.config import LoraConfig, load_params
 
-    setup, _, source = pl.build_setup(args)
+    params = load_params(args.params)
+    setup, _, source = pl.build_setup(args, params)
     if args.world is None:
         setup = dataclasses.replace(setup, world=1)
-    lora = getattr(getattr(load_params(args.params), args.section), "lora", None)
-    lora = lora or LoraConfig()
+    lora = getattr(getattr(params, args.section), "lora", None) or LoraConfig()
     tune = Tune(setup=setup, mode=args.mode,
                 rank=args.rank if args.rank is not None else lora.rank,
                 targets=targets_from(args.targets if args.targets is not None

@@ -513,16 +513,17 @@ OVERRIDES = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "ffn_multipl
              "tie_embeddings", "doc_mask")
 
 
-def build_setup(args: argparse.Namespace) -> tuple[Setup, int, dict[str, str]]:
+def build_setup(args: argparse.Namespace,
+                params: Params | None = None) -> tuple[Setup, int, dict[str, str]]:
     """The Setup the command line asks about, the micro-batch to total, and where the
-    model and the vocabulary came from."""
+    model and the vocabulary came from (``params``: args.params, already loaded)."""
     for name, low in (("world", 1), ("vocab", 1), ("micro_batch", 1)):
         value = getattr(args, name)
         if value is not None and value < low:
             raise ConfigError(f"plan: --{name.replace('_', '-')} must be >= {low}, got {value}")
     if not args.device_gb > 0 or args.reserve_gb < 0:
         raise ConfigError("plan: --device-gb must be > 0 and --reserve-gb >= 0")
-    params = load_params(args.params)
+    params = params or load_params(args.params)
     cfg, model = _section_knobs(params, args.section)
     preset = None
     source = f"model from {args.params}" + ("" if args.section == "train"
