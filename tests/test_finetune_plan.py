@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -90,13 +91,15 @@ def test_8b_lora_rows_by_hand():
     assert q["weight_copies"] == 0 and q["dequant"] == 14 * d * F
 
 
-def _tiny_lora(cfg: ModelConfig, vocab: int, targets, rank: int = 4) -> Llama:
-    """A Llama with adapters on ``targets`` and its frozen parameters cast to bf16."""
+def _tiny_lora(cfg: ModelConfig, vocab: int, targets, rank: int = 4,
+               precision: str = "bf16") -> Llama:
+    """A Llama with adapters on ``targets`` and its frozen parameters cast to bf16 (kept
+    fp32 for ``precision="fp32"``)."""
     torch.manual_seed(0)
     model = Llama(cfg, vocab)
     apply_lora(model, rank, 8.0, 0.0, list(targets))
     for p in model.parameters():
-        if not p.requires_grad:
+        if not p.requires_grad and precision == "bf16":
             p.data = p.data.to(torch.bfloat16)
     return model.train()
 
@@ -148,6 +151,33 @@ def test_nf4_bytes_equal_torchaos_tensor(shape):
     assert held == fp.nf4_bytes(shape[0] * shape[1])
 
 
+def test_nf4_dequantization_peak_is_planned():
+    """torchao's eager get_original_weight: live bytes peak at ~14 per element."""
+    nf4 = _nf4_module()
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Live(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.live: dict[int, int] = {}
+            self.peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in self.live:
+                    key = o.untyped_storage().data_ptr()
+                    self.live[key] = o.untyped_storage().nbytes()
+                    weakref.finalize(o, self.live.pop, key, None)
+            self.peak = max(self.peak, sum(self.live.values()))
+            return out
+
+    weight = nf4.to_nf4(torch.randn(1024, 512, dtype=torch.bfloat16))
+    with Live() as live:
+        weight.get_original_weight()
+    assert fp.NF4_DEQUANT_BYTES <= live.peak / weight.numel() < fp.NF4_DEQUANT_BYTES + 0.1
+
+
 def test_nf4_needs_whole_scaler_blocks():
     with pytest.raises(Exception, match="to_nf4"):
         fp.nf4_bytes(64 * 100)
@@ -156,8 +186,9 @@ def test_nf4_needs_whole_scaler_blocks():
 # --------------------------------------------------------------------------- vs autograd
 
 
-def _saved_bytes(model: Llama, vocab: int, batch: int) -> int:
-    """Bytes of the distinct non-parameter storages autograd saves in one bf16 forward."""
+def _saved_bytes(model: Llama, vocab: int, batch: int, precision: str = "bf16") -> int:
+    """Bytes of the distinct non-parameter storages autograd saves in one forward (under
+    bf16 autocast unless ``precision="fp32"``)."""
     own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     seen: dict[int, int] = {}
 
@@ -170,7 +201,7 @@ def _saved_bytes(model: Llama, vocab: int, batch: int) -> int:
     torch.manual_seed(1)
     idx = torch.randint(0, vocab, (batch, model.config.seq_len))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
         model(idx, idx)
     return sum(seen.values())
 
@@ -192,18 +223,28 @@ def _unsaved_first_casts(cfg: ModelConfig, rank: int, targets: tuple[str, ...]) 
                                      ("w1", "w2", "w3"), ("wo",), ("wv", "w2")])
 def test_lora_activations_match_what_autograd_saves(kv, targets):
     """A bf16 frozen base with fp32 adapters under bf16 autocast, as the LoRA run holds it."""
-    cfg = ModelConfig(n_layer=3, n_head=4, n_kv_head=kv, n_embd=128, seq_len=64)
-    vocab, seq, d, rank = 512, 64, 128, 4
-    model = _tiny_lora(cfg, vocab, targets, rank)
-    t = fp.Tune(pl.Setup(cfg, vocab, "bf16"), "lora", rank, tuple(targets))
-    one, two = (_saved_bytes(model, vocab, b) for b in (1, 2))
+    _check_saved(ModelConfig(n_layer=3, n_head=4, n_kv_head=kv, n_embd=128, seq_len=64),
+                 targets, "bf16")
+
+
+def test_lora_activations_on_an_fp32_base():
+    _check_saved(ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=128, seq_len=64),
+                 ("wq", "wv", "w1", "w2"), "fp32")
+
+
+def _check_saved(cfg: ModelConfig, targets, precision: str) -> None:
+    vocab, seq, d, rank = 512, cfg.seq_len, cfg.n_embd, 4
+    model = _tiny_lora(cfg, vocab, targets, rank, precision)
+    t = fp.Tune(pl.Setup(cfg, vocab, precision), "lora", rank, tuple(targets))
+    a = fp.base_bytes(precision)
+    one, two = (_saved_bytes(model, vocab, b, precision) for b in (1, 2))
     # Alive but not saved per token: the token ids (the embedding is frozen) and the final
     # norm's output (the fused loss keeps its gradient instead).
-    assert two - one == fp.lora_activation_bytes_per_seq(t) - seq * (8 + 2 * d)
+    assert two - one == fp.lora_activation_bytes_per_seq(t) - seq * (8 + a * d)
     rows = fp.rows_bytes(t, 1)
     # Saved once: the weight concatenations, the adapters' bf16 casts, the loss's 1/count.
-    assert 2 * one - two == (rows["weight_copies"] + rows["adapter_casts"]
-                             - _unsaved_first_casts(cfg, rank, tuple(targets)) + 4)
+    unsaved = _unsaved_first_casts(cfg, rank, tuple(targets)) if precision == "bf16" else 0
+    assert 2 * one - two == (rows["weight_copies"] + rows["adapter_casts"] - unsaved + 4)
 
 
 def test_lora_keeps_less_than_pretraining_and_checkpointing_keeps_least():
