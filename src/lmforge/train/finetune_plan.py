@@ -14,10 +14,12 @@ What each mode holds (P parameters; n adapter parameters, ``lora_param_count_for
   wv, wo; ``mlp`` = w1, w2, w3), their gradients and AdamW's moments in fp32: 4 + 4 + 8
   bytes per adapter parameter. Autocast caches a 16-bit cast of each adapter (2 n).
 * **qlora**: as lora, but the frozen Linear weights of the blocks are torchao NF4
-  tensors (``torchao.dtypes.nf4tensor.to_nf4``, block 64, scalers double-quantised in
-  blocks of 256): per weight matrix of N elements, N/2 bytes of 4-bit codes, N/64 int8
-  block scalers, N/(64*256) 16-bit scaler factors, one 16-bit scaler mean and the
-  16-entry 16-bit NF4 table. Embeddings, norms, biases and the head stay bf16.
+  tensors (``to_nf4`` of torchao.dtypes.nf4tensor, in torchao 0.18
+  torchao.quantization.quantize_.workflows.nf4.nf4_tensor; block 64, scalers
+  double-quantised in blocks of 256): per weight matrix of N elements, N/2 bytes of
+  4-bit codes, N/64 int8 block scalers, N/(64*256) 16-bit scaler factors, one 16-bit
+  scaler mean and the 16-entry 16-bit NF4 table (checked against torchao's tensor when
+  torchao is installed). Embeddings, norms, biases and the head stay bf16.
 
 Activations under LoRA (counted tensor by tensor, checked against
 ``saved_tensors_hooks`` in tests/test_finetune_plan.py): a frozen GEMM ``x W^T`` keeps W
@@ -28,7 +30,9 @@ intermediate (for B's). The residual stream is the base's dtype. Before the firs
 adapter nothing needs a gradient: the first block's input norm keeps nothing, and
 neither do its q/k/v GEMM nor its weight concatenation. The token ids are not saved
 (the embedding is frozen) but are alive as the batch, so they are counted as in
-pretraining. The fused loss makes no head gradient (the head is frozen).
+pretraining. The fused loss makes no head gradient (the head is frozen). With
+activation checkpointing the count has the pretraining plan's structure (every block's
+input, plus one block being recomputed), not checked against autograd.
 
 ``fused_linear`` (llama.py) concatenates q|k|v and gate|up for one GEMM each forward;
 with a frozen base that concatenation is what the GEMM keeps for backward: a 16-bit
