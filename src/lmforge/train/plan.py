@@ -47,6 +47,7 @@ import argparse
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,10 +69,45 @@ TOKENIZER = Path("models/tokenizer")  # the pipeline's, beside params.yaml (eith
 # Preset shapes for `--shape`. Llama-3.2-1B: 16 layers, 2048 wide, 32 heads, 8 KV heads,
 # MLP 8192 (our rule, 8/3 * n_embd rounded up to ffn_multiple_of, gives 8192 with 4096),
 # vocabulary 128256, tied embeddings; planned at a 2048-token context.
+#
+# The others, from each model's config.json on the Hugging Face Hub (num_hidden_layers,
+# num_attention_heads, num_key_value_heads, hidden_size, intermediate_size, vocab_size,
+# tie_word_embeddings, rope_theta; attention_bias for Qwen2's q/k/v biases). Our MLP width
+# is 8/3 d rounded up to ffn_multiple_of, so ffn_multiple_of is chosen to land on
+# intermediate_size. Every preset is planned at a 2048-token context (--seq-len to change).
+#
+# | key        | model (repo on the Hub)            |  L |  d    | H  | KV | MLP   | vocab  | tied | params        |
+# |------------|------------------------------------|----|-------|----|----|-------|--------|------|---------------|
+# | 1b         | meta-llama/Llama-3.2-1B            | 16 | 2048  | 32 |  8 |  8192 | 128256 | yes  | 1,235,814,400 |
+# | 3b         | meta-llama/Llama-3.2-3B            | 28 | 3072  | 24 |  8 |  8192 | 128256 | yes  | 3,212,749,824 |
+# | 7b         | meta-llama/Llama-2-7b-hf           | 32 | 4096  | 32 | 32 | 11008 |  32000 | no   | 6,738,415,616 |
+# | mistral-7b | mistralai/Mistral-7B-v0.1          | 32 | 4096  | 32 |  8 | 14336 |  32000 | no   | 7,241,732,096 |
+# | 8b         | meta-llama/Llama-3.1-8B            | 32 | 4096  | 32 |  8 | 14336 | 128256 | no   | 8,030,261,248 |
+# | qwen2.5-7b | Qwen/Qwen2.5-7B (q/k/v biases)     | 28 | 3584  | 28 |  4 | 18944 | 152064 | no   | 7,615,616,512 |
+#
+# (params: the published counts, which tests/test_finetune_plan.py checks against the
+# module.) RoPE scaling and norm eps do not change memory and are left out.
 SHAPES: dict[str, dict[str, Any]] = {
     "1b": {"n_layer": 16, "n_head": 32, "n_kv_head": 8, "n_embd": 2048, "seq_len": 2048,
            "ffn_multiple_of": 4096, "rope_base": 500000.0, "tie_embeddings": True,
            "vocab": 128256, "name": "Llama-3.2-1B shape"},
+    "3b": {"n_layer": 28, "n_head": 24, "n_kv_head": 8, "n_embd": 3072, "seq_len": 2048,
+           "ffn_multiple_of": 256, "rope_base": 500000.0, "tie_embeddings": True,
+           "vocab": 128256, "name": "Llama-3.2-3B shape"},
+    "7b": {"n_layer": 32, "n_head": 32, "n_kv_head": 32, "n_embd": 4096, "seq_len": 2048,
+           "ffn_multiple_of": 256, "rope_base": 10000.0, "tie_embeddings": False,
+           "vocab": 32000, "name": "Llama-2-7B shape"},
+    "mistral-7b": {"n_layer": 32, "n_head": 32, "n_kv_head": 8, "n_embd": 4096,
+                   "seq_len": 2048, "ffn_multiple_of": 14336, "rope_base": 10000.0,
+                   "tie_embeddings": False, "family": "mistral", "vocab": 32000,
+                   "name": "Mistral-7B-v0.1 shape"},
+    "8b": {"n_layer": 32, "n_head": 32, "n_kv_head": 8, "n_embd": 4096, "seq_len": 2048,
+           "ffn_multiple_of": 14336, "rope_base": 500000.0, "tie_embeddings": False,
+           "vocab": 128256, "name": "Llama-3.1-8B shape"},
+    "qwen2.5-7b": {"n_layer": 28, "n_head": 28, "n_kv_head": 4, "n_embd": 3584,
+                   "seq_len": 2048, "ffn_multiple_of": 18944, "rope_base": 1000000.0,
+                   "tie_embeddings": False, "qkv_bias": True, "family": "qwen2",
+                   "vocab": 152064, "name": "Qwen2.5-7B shape"},
 }
 
 
@@ -239,13 +275,19 @@ def weight_copy_bytes(s: Setup, strategy: str) -> int:
     return copies + (0 if s.fused_loss else 2 * s.vocab * cfg.n_embd)
 
 
-def loss_buffer_bytes(s: Setup, strategy: str, micro_batch: int) -> int:
+def loss_chunk_tokens(s: Setup, micro_batch: int, device: str = "cuda") -> int:
+    """Tokens in one chunk of the fused loss: min(b*s, CHUNK_ELEMENTS[device] // V)."""
+    return min(micro_batch * s.model.seq_len, max(1, CHUNK_ELEMENTS[device] // s.vocab))
+
+
+def loss_buffer_bytes(s: Setup, strategy: str, micro_batch: int, device: str = "cuda") -> int:
     """The fused loss's buffers (0 without it: its logits are per sequence then).
 
     4 * V*d: the head's fp32 gradient, made in the forward and kept for backward;
     in bf16, 6 * V*d: each chunk's bf16 weight-gradient product and its fp32 copy; under
     autocast, 2 * V*d: the fp32 head cast to 16 bits; one chunk of fp32 logits
-    (+ its 16-bit copy): (4 [+ 2]) * V * min(b*s, 2^26 // V), the CUDA chunk of loss.py.
+    (+ its 16-bit copy): (4 [+ 2]) * V * min(b*s, 2^26 // V), the CUDA chunk of loss.py
+    (2^20 // V on the CPU).
     """
     if not s.fused_loss:
         return 0
@@ -253,7 +295,7 @@ def loss_buffer_bytes(s: Setup, strategy: str, micro_batch: int) -> int:
     total = 4 * vd + (6 * vd if s.precision == "bf16" else 0)
     if autocast(strategy, s.precision):
         total += 2 * vd
-    chunk = min(micro_batch * s.model.seq_len, max(1, CHUNK_ELEMENTS["cuda"] // s.vocab))
+    chunk = loss_chunk_tokens(s, micro_batch, device)
     return total + chunk * s.vocab * (4 + (2 if s.precision != "fp32" else 0))
 
 
@@ -352,16 +394,23 @@ def reserve_bytes(device_bytes: int, reserve_gib: float = RESERVE_GIB) -> int:
     return int(reserve_gib * GIB + FRAGMENTATION * device_bytes)
 
 
-def fit_micro_batch(s: Setup, strategy: str, budget: int) -> int:
-    """Largest micro-batch b with total(b) <= budget (bisection; total grows with b); 0 = none."""
-    ok, bad = 0, budget // activation_bytes_per_seq(s, strategy) + 1  # total(bad) > budget
+def largest_fitting(total: Callable[[int], int], per_seq: int, budget: int) -> int:
+    """Largest micro-batch b with total(b) <= budget (bisection; total grows with b by at
+    least per_seq a sequence); 0 = none."""
+    ok, bad = 0, budget // per_seq + 1  # total(bad) > budget
     while bad - ok > 1:
         mid = (ok + bad) // 2
-        if total_bytes(s, strategy, mid) <= budget:
+        if total(mid) <= budget:
             ok = mid
         else:
             bad = mid
     return ok
+
+
+def fit_micro_batch(s: Setup, strategy: str, budget: int) -> int:
+    """Largest micro-batch b with total(b) <= budget; 0 = none."""
+    return largest_fitting(lambda b: total_bytes(s, strategy, b),
+                           activation_bytes_per_seq(s, strategy), budget)
 
 
 def plan(s: Setup, device_gib: float, micro_batch: int,
@@ -464,16 +513,17 @@ OVERRIDES = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "ffn_multipl
              "tie_embeddings", "doc_mask")
 
 
-def build_setup(args: argparse.Namespace) -> tuple[Setup, int, dict[str, str]]:
+def build_setup(args: argparse.Namespace,
+                params: Params | None = None) -> tuple[Setup, int, dict[str, str]]:
     """The Setup the command line asks about, the micro-batch to total, and where the
-    model and the vocabulary came from."""
+    model and the vocabulary came from (``params``: args.params, already loaded)."""
     for name, low in (("world", 1), ("vocab", 1), ("micro_batch", 1)):
         value = getattr(args, name)
         if value is not None and value < low:
             raise ConfigError(f"plan: --{name.replace('_', '-')} must be >= {low}, got {value}")
     if not args.device_gb > 0 or args.reserve_gb < 0:
         raise ConfigError("plan: --device-gb must be > 0 and --reserve-gb >= 0")
-    params = load_params(args.params)
+    params = params or load_params(args.params)
     cfg, model = _section_knobs(params, args.section)
     preset = None
     source = f"model from {args.params}" + ("" if args.section == "train"
@@ -508,7 +558,18 @@ def build_setup(args: argparse.Namespace) -> tuple[Setup, int, dict[str, str]]:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    """``lmforge plan``: print the per-rank memory table (or its JSON)."""
+    """``lmforge plan``: print the per-rank memory table (or its JSON); with ``--mode``,
+    the fine-tuning table of one device (lmforge.train.finetune_plan)."""
+    if args.mode is not None:
+        from lmforge.train import finetune_plan as fp
+
+        tune, micro_batch, source = fp.build_tune(args)
+        result = fp.finetune_plan(tune, args.device_gb, micro_batch, args.reserve_gb)
+        if args.json:
+            print(json.dumps({"source": source, **result}, indent=2))
+        else:
+            print(fp.format_table(result, source["model"]))
+        return
     setup, micro_batch, source = build_setup(args)
     result = plan(setup, args.device_gb, micro_batch, args.reserve_gb)
     if args.json:
@@ -538,13 +599,26 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                    help=f"fixed reserve in GiB, plus {FRAGMENTATION:.0%}% of the device for "
                         "fragmentation "
                         f"(default: {RESERVE_GIB:g})")
-    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
-                   help="a preset model shape instead of params.yaml's (1b: Llama-3.2-1B)")
+    p.add_argument("--shape", choices=list(SHAPES), default=None,
+                   help="a preset model shape instead of params.yaml's (1b, 3b: Llama-3.2; "
+                        "7b: Llama-2-7B; mistral-7b; 8b: Llama-3.1-8B; qwen2.5-7b)")
     for name in OVERRIDES[:6]:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     for name in ("tie_embeddings", "doc_mask", "activation_checkpointing", "fused_loss"):
         p.add_argument(f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction,
                        default=None)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--mode", choices=("full", "lora", "qlora"), default=None,
+                   help="fine-tuning on one device instead of the DDP/FSDP table: full, "
+                        "LoRA (bf16 frozen base) or QLoRA (NF4 frozen base); micro-batch "
+                        "1 unless --micro-batch")
+    p.add_argument("--rank", type=int, default=None,
+                   help="with --mode lora/qlora: adapter rank (default: the section's "
+                        "lora, else 8)")
+    p.add_argument("--targets", default=None,
+                   help="with --mode lora/qlora: comma-separated Linears or groups "
+                        "(attn, mlp; default: the section's lora, else attn,mlp)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="with --mode: a GPU of --device-gb, or that much CPU RAM")
     p.set_defaults(func=cmd_plan)
     return p
