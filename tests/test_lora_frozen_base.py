@@ -162,3 +162,20 @@ def test_the_base_dtype_enters_a_run_identity_only_when_not_fp32():
     assert "base_dtype" not in identity("fp32")["train"]["lora"]  # as runs before the key
     assert identity("bf16")["train"]["lora"]["base_dtype"] == "bf16"
     assert ckpt.fingerprint_of(identity("bf16")) != ckpt.fingerprint_of(identity("fp32"))
+
+
+def test_a_lora_dpo_reference_is_held_as_the_policy_base(base_dir):
+    from types import SimpleNamespace
+
+    from test_train_loop import CPU
+
+    from lmforge.config import DpoConfig, Params
+    from lmforge.train.dpo import make_objective
+
+    data = SimpleNamespace(train=SimpleNamespace(doc_ends=[2, 4]),
+                           val=SimpleNamespace(doc_ends=[2]))
+    for dtype, want in (("bf16", "bf16"), ("fp32", "fp32")):
+        params = Params(dpo=DpoConfig(init_from=str(base_dir),
+                                      lora=LoraConfig(rank=4, base_dtype=dtype)))
+        objective = make_objective(params, Params(model=CFG), data, CPU)
+        assert frozen_dtype(objective.reference) == want

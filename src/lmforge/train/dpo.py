@@ -18,6 +18,7 @@ from typing import Any
 from lmforge.config import Params
 from lmforge.errors import InputError
 from lmforge.io import write_json, write_text
+from lmforge.model.frozen import hold_frozen_in, resolve_base_dtype
 from lmforge.model.lora import adamw_state_bytes
 from lmforge.model.saved import WEIGHTS, extend_context, load_checkpoint_model, load_model
 from lmforge.tokenizer.files import find_tokenizer, tokenizer_sha256
@@ -104,6 +105,10 @@ def make_objective(params: Params, run_params: Params, data: TrainData, env: Any
         if params.dpo.strategy == "fsdp":  # a step-*.pt: loaded whole, then sharded
             ensure_process_group(env)
             shard_model(reference, env, bf16)
+        elif params.dpo.lora is not None:  # frozen as the policy's base: held alike
+            hold_frozen_in(reference, resolve_base_dtype(
+                params.dpo.lora.base_dtype, env.device, params.dpo.strategy,
+                "dpo.lora.base_dtype"))
     return DpoObjective(params.dpo.beta, reference, len(data.train.doc_ends),
                         len(data.val.doc_ends), params.dpo.nll_weight)
 
