@@ -6,6 +6,7 @@ as transformers does, stopping at the end of turn. Models lmforge trained keep o
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -90,6 +91,38 @@ def test_sft_data_renders_chatml_and_masks_each_reply_and_its_end(chatml, tmp_pa
                 texts.append(raw_decode(tok, run))
                 run = []
     assert sorted(texts) == sorted(f"answer {i} 数据<|im_end|>" for i in range(30))
+
+
+def test_sft_data_trains_a_rewriting_template_turn_by_turn_on_one_side(chatml, tmp_path):
+    from test_model_template import QWEN3
+
+    folder = tmp_path / "qwen3"
+    shutil.copytree(chatml, folder)
+    (folder / "chat_template.jinja").write_text(QWEN3, encoding="utf-8")
+    records = [{"messages": [{"role": "user", "content": f"q{i}"},
+                             {"role": "assistant", "content": f"first {i}"},
+                             {"role": "user", "content": f"again {i}"},
+                             {"role": "assistant", "content": f"second {i}"}]}
+               for i in range(20)]
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    m = build_sft(SftDataConfig(sources=[str(tmp_path / "chat.jsonl")], seq_len=128,
+                                val_fraction=0.3), folder, tmp_path / "sft")
+    assert m["counts"]["kept"] == 20 and not m["counts"]["rejected"]
+    tok = Tokenizer.load(folder)
+    sides = {}
+    for split in ("train", "val"):
+        shards = ShardSet(tmp_path / "sft" / split)
+        ids = shards.read(0, shards.num_tokens).tolist()
+        mask = shards.mask_windows(np.array([0]), shards.num_tokens)[0].tolist()
+        learned = raw_decode(tok, [i for i, k in zip(ids, mask, strict=True) if k])
+        records_here = {int(n) for n in re.findall(r"first (\d+)", learned)}
+        assert records_here == {int(n) for n in re.findall(
+            r"second (\d+)", learned)}  # both replies of a record on one side
+        assert learned.count("<think>") == 2 * len(records_here)  # each as written last
+        assert m[split]["examples"] == 2 * len(records_here)
+        sides[split] = records_here
+    assert sides["train"] | sides["val"] == set(range(20))
+    assert sides["val"] and not sides["train"] & sides["val"]
 
 
 def test_dpo_data_masks_the_responses_in_the_models_template(chatml, tmp_path):

@@ -122,21 +122,39 @@ def test_ids_equal_apply_chat_template_and_the_mask_is_each_reply_and_its_end(
     assert template.stop_ids == {backend.token_to_id(end)}
 
 
-def test_a_template_that_rewrites_earlier_turns_is_rejected_not_mismasked(backend):
-    # Qwen3's kind: only the last assistant turn gets an (empty) reasoning block.
-    qwen3 = ("{%- for m in messages %}{%- if m.role == 'assistant' and loop.last %}"
-             "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m.content + "
-             "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + "
-             "'<|im_end|>\\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}"
-             "{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-    template = ModelTemplate(qwen3, "qwen3", lambda t: backend.encode(
+QWEN3 = (  # Qwen3's kind: only the last assistant turn gets an (empty) reasoning block
+    "{%- for m in messages %}{%- if m.role == 'assistant' and loop.last %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m.content + "
+    "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + "
+    "'<|im_end|>\\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_a_template_that_rewrites_earlier_turns_trains_one_example_per_turn(backend):
+    template = ModelTemplate(QWEN3, "qwen3", lambda t: backend.encode(
         t, add_special_tokens=False).ids, frozenset(backend.token_to_id(t) for t in SPECIALS),
         {"eos_token": "<|im_end|>"})
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend,
+                                               eos_token="<|im_end|>", chat_template=QWEN3)
     ids, mask = template.render(CONVERSATIONS[0])  # one reply: the prefixes hold
-    assert sum(mask) > 0
-    with pytest.raises(TemplateError) as bad:
+    assert [(ids, mask)] == template.examples(CONVERSATIONS[0])
+    with pytest.raises(TemplateError) as bad:  # one sequence cannot mask both replies
         template.render(CONVERSATIONS[2])
     assert bad.value.reason == NOT_PREFIX and "turn 2" in bad.value.detail
+    # As training data: one example per reply, each the conversation up to that reply as
+    # transformers renders it, the mask on that reply (its empty reasoning block, content
+    # and <|im_end|>) alone.
+    turns = CONVERSATIONS[2]
+    parts = template.examples(turns)
+    replies = [k for k, (role, _) in enumerate(turns) if role == "assistant"]
+    assert len(parts) == len(replies)
+    for (ids, mask), k in zip(parts, replies, strict=True):
+        assert ids == reference(tok, turns[:k + 1])
+        start = len(reference(tok, turns[:k], add_generation_prompt=True))
+        learned = backend.decode([i for i, m in zip(ids, mask, strict=True) if m],
+                                 skip_special_tokens=False)
+        assert learned == "<think>\n\n</think>\n\n" + turns[k][1] + "<|im_end|>"
+        assert not any(mask[:start])
 
 
 def test_a_template_whose_turns_end_in_no_special_token_is_refused(backend):

@@ -17,8 +17,8 @@ import numpy as np
 from lmforge.config import SftDataConfig
 from lmforge.errors import InputError
 from lmforge.finetune.pack import Packed, pack, split_by_hash
-from lmforge.finetune.records import ASSISTANT, read_examples
-from lmforge.finetune.template import chat_format, render_all
+from lmforge.finetune.records import ASSISTANT, Example, read_examples
+from lmforge.finetune.template import Rendered, chat_format, render_all
 from lmforge.io import atomic_dir
 from lmforge.shards.writer import ShardWriter
 from lmforge.tokenizer import Tokenizer
@@ -57,6 +57,26 @@ def split_metrics(packed: Packed, seq_len: int) -> dict[str, Any]:
             "pad_share": round(packed.pad_tokens / (packed.rows * seq_len + 1), 4)}
 
 
+def expand_parts(rendered: list[Rendered], examples: list[Example]
+                 ) -> tuple[list[Rendered], list[int], list[int]]:
+    """One item per training example -- a record, or each of its per-turn parts (a
+    template that rewrites earlier turns) -- with the UTF-8 bytes of the answers it
+    learns and the index of the record it came from."""
+    items, nbytes, origin = [], [], []
+    for i, (r, ex) in enumerate(zip(rendered, examples, strict=True)):
+        answers = [len(c.encode()) for role, c in ex.turns if role == ASSISTANT]
+        if not r.parts:
+            items.append(r)
+            nbytes.append(sum(answers))
+            origin.append(i)
+            continue
+        for (ids, mask), answer in zip(r.parts, answers, strict=True):  # one per answer
+            items.append(Rendered(r.file, r.line, ids, mask))
+            nbytes.append(answer)
+            origin.append(i)
+    return items, nbytes, origin
+
+
 def build(cfg: SftDataConfig, tokenizer_path: Path, out: Path) -> dict[str, Any]:
     """Read, render, split, pack and write; return metrics/sft_data.json."""
     if find_tokenizer(tokenizer_path) is None:
@@ -68,9 +88,12 @@ def build(cfg: SftDataConfig, tokenizer_path: Path, out: Path) -> dict[str, Any]
     if not rendered:
         raise InputError(f"sft_data.sources: no usable example in {cfg.sources} "
                          f"({sum(result.counts.rejected.values())} rejected)")
-    reply_bytes = [sum(len(c.encode()) for role, c in ex.turns if role == ASSISTANT)
-                   for ex in result.examples]
+    # Split by record, then expand: a record's per-turn examples stay on one side.
     train_idx, val_idx = split_by_hash(rendered, cfg.val_fraction, cfg.seed)
+    rendered, reply_bytes, origin = expand_parts(rendered, result.examples)
+    val_records = set(val_idx)
+    train_idx = [j for j, i in enumerate(origin) if i not in val_records]
+    val_idx = [j for j, i in enumerate(origin) if i in val_records]
     if not val_idx or not train_idx:
         raise InputError(f"sft_data: {len(rendered)} examples are too few to hold out "
                          f"val_fraction={cfg.val_fraction} (train {len(train_idx)}, val "

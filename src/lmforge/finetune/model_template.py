@@ -14,8 +14,10 @@ its end-of-turn token -- the last special token of the span (``<|im_end|>``,
 ``<|eot_id|>``) -- so the model learns to stop, but not the newline some templates put
 after it. This needs each rendering to be a prefix of the next, in ids; a template that
 rewrites earlier turns when a later one follows (Qwen3's drops the reasoning of earlier
-assistant turns) breaks that, and such a conversation is rejected with the reason
-``template_not_prefix`` rather than trained on with a mask in the wrong place.
+assistant turns) breaks that: ``render`` refuses such a conversation with the reason
+``template_not_prefix`` rather than put a mask in the wrong place, and fine-tuning data
+(``examples``) trains it as one example per assistant turn, each rendered as the model
+sees it when it writes that turn.
 
 A message holding a special token's text (``<|im_end|>`` typed in a question) would, as
 in transformers, encode to that token and so close a turn the writer never closed: such
@@ -180,6 +182,26 @@ class ModelTemplate:
             for i in range(start, end):
                 mask[i] = 1
         return ids, mask
+
+    def examples(self, turns: Sequence[Turn]) -> list[tuple[list[int], list[int]]]:
+        """The (ids, loss_mask) pairs a conversation trains as: itself, as :meth:`render`
+        writes it; or, when the template rewrites earlier turns once a later one follows
+        (Qwen3 drops the reasoning block of every assistant turn but the last), one
+        example per assistant turn -- the conversation up to that turn, the mask on that
+        turn alone -- which is the text the model sees when it writes that turn."""
+        try:
+            return [self.render(turns)]
+        except TemplateError as e:
+            if e.reason != NOT_PREFIX:
+                raise
+        out = []
+        for k, (role, _) in enumerate(turns):
+            if role != ASSISTANT:
+                continue
+            ids = self.encode(self.text(turns[:k + 1]))
+            start, end = self._turn_span(turns, k, ids)
+            out.append((ids, [0] * start + [1] * (end - start) + [0] * (len(ids) - end)))
+        return out
 
     def generation_prompt(self, turns: Sequence[Turn]) -> list[int]:
         """The ids the next assistant turn is generated from."""

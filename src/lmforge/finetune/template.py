@@ -158,10 +158,15 @@ def check_rendered(ids: Sequence[int], mask: Sequence[int], max_tokens: int | No
 
 @dataclass(frozen=True)
 class Rendered:
+    """A record rendered: ``ids``/``mask`` the whole conversation, or with ``parts`` (a
+    template that rewrites earlier turns: ``ModelTemplate.examples``) the last of its
+    per-turn examples, which ``parts`` lists in order."""
+
     file: str
     line: int
     ids: list[int]
     mask: list[int]
+    parts: tuple[tuple[list[int], list[int]], ...] = ()
 
 
 class OwnFormat:
@@ -176,6 +181,10 @@ class OwnFormat:
 
     def render(self, turns: Sequence[Turn]) -> tuple[list[int], list[int]]:
         return render(turns, self.tokenizer)
+
+    def examples(self, turns: Sequence[Turn]) -> list[tuple[list[int], list[int]]]:
+        """Our template never rewrites earlier turns: the conversation as one example."""
+        return [self.render(turns)]
 
     def generation_prompt(self, turns: Sequence[Turn]) -> list[int]:
         return generation_prompt(turns, self.tokenizer)
@@ -227,8 +236,9 @@ def render_all(result: ReadResult, tokenizer: Tokenizer, max_tokens: int | None
     kept, out = [], []
     for ex in result.examples:
         try:
-            ids, mask = fmt.render(ex.turns)
-            bad = check_rendered(ids, mask, max_tokens)
+            parts = fmt.examples(ex.turns)
+            bad = next(filter(None, (check_rendered(i, m, max_tokens) for i, m in parts)),
+                       None)
         except TemplateError as e:
             bad = (e.reason, e.detail)
         if bad is not None:
@@ -237,7 +247,9 @@ def render_all(result: ReadResult, tokenizer: Tokenizer, max_tokens: int | None
             result.reject(ex.file, ex.line, *bad)
             continue
         kept.append(ex)
-        out.append(Rendered(ex.file, ex.line, ids, mask))
+        ids, mask = parts[-1]
+        out.append(Rendered(ex.file, ex.line, ids, mask, tuple(parts) if len(parts) > 1
+                            else ()))
     result.examples = kept
     result.check()
     return out
