@@ -40,7 +40,9 @@ class SourceConfig:
 
     path: str
     domain: str
-    format: Literal["auto", "jsonl", "parquet", "txt"] = "auto"
+    # json: an array of records (or JSON lines); csv/tsv: a header row, text_field names
+    # the column.
+    format: Literal["auto", "jsonl", "json", "csv", "tsv", "parquet", "txt"] = "auto"
     text_field: str = "text"
     id_field: str | None = "id"
     # txt only: one document per file, or one per blank-line-separated block.

@@ -11,7 +11,7 @@ from typing import Any
 import pyarrow as pa
 
 from lmforge.config import IngestConfig, load_params
-from lmforge.data import readers
+from lmforge.data import formats, readers
 from lmforge.data.filter_report import render
 from lmforge.data.filtering import domain_metrics, judge_table, loss_problems
 from lmforge.data.ingest import id_and_source, resolve_files
@@ -25,7 +25,7 @@ def sample_table(cfg: IngestConfig, per_domain: int) -> pa.Table:
         src = cfg.sources[i]
         if taken.get(src.domain, 0) >= per_domain:
             continue
-        for rec in readers.iter_records(path, src.format, src.text_field, src.id_field,
+        for rec in formats.iter_records(path, src.format, src.text_field, src.id_field,
                                         src.txt_split, cfg.max_record_bytes):
             if not isinstance(rec, readers.Doc):
                 continue
