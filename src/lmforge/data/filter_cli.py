@@ -13,7 +13,7 @@ import pyarrow as pa
 from lmforge.config import IngestConfig, load_params
 from lmforge.data import formats, readers
 from lmforge.data.filter_report import render
-from lmforge.data.filtering import domain_metrics, judge_table, loss_problems
+from lmforge.data.filtering import domain_metrics, guarded_domains, judge_table, loss_problems
 from lmforge.data.ingest import id_and_source, resolve_files
 
 
@@ -44,9 +44,14 @@ def filter_report(params_path: str, per_domain: int) -> str:
     """The markdown report for a sample of every domain."""
     params = load_params(params_path)
     table = sample_table(params.ingest, per_domain)
-    *_, counts, redacted, examples = judge_table(table, params.filter)
-    metrics = domain_metrics(params.filter, counts, redacted)
-    return render(params.filter, metrics, examples, loss_problems(params.filter, metrics),
+    failures: dict = {}
+    *_, counts, redacted, examples = judge_table(table, params.filter, failures)
+    metrics = domain_metrics(params.filter, counts, redacted, failures)
+    samples = {d: [t for t, dd in zip(table.column("text").to_pylist(),
+                                      table.column("domain").to_pylist(), strict=True) if dd == d]
+               for d in guarded_domains(params.filter, metrics)}
+    problems = loss_problems(params.filter, metrics, failures, samples)
+    return render(params.filter, metrics, examples, problems,
                   title=f"Filter report (sample: the first {per_domain:,} documents per domain)")
 
 

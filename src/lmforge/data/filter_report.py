@@ -49,7 +49,7 @@ def render(cfg: FilterConfig, metrics: dict[str, Any], examples: dict[str, dict[
     domain's rules, rejections and examples."""
     lines = [f"# {title}", "",
              "Per domain: its kind, how many documents each rule rejected (the first rule "
-             "that failed), and the first rejected examples with the measured value beside "
+             "that failed) and how many of the rejected documents it fails at all, and the first rejected examples with the measured value beside "
              "the threshold. Tune with `filter.domains.<domain>` (kind, skip, any threshold); "
              "see README \"Filter kinds\".", "",
              "| domain | kind | in | kept | lost | max_loss |", "|---|---|---:|---:|---:|---:|"]
@@ -69,10 +69,13 @@ def render(cfg: FilterConfig, metrics: dict[str, Any], examples: dict[str, dict[
         if not c["rejected"]:
             lines.append("Nothing rejected.")
             continue
-        lines += ["| rule | rejected | threshold |", "|---|---:|---|"]
+        lines += ["| rule | rejected (first to fail) | fails (of the rejected) | threshold |",
+                  "|---|---:|---:|---|"]
         top = sorted(c["rejected"].items(), key=lambda kv: (-kv[1], kv[0]))
-        for rule, n in top:
-            lines.append(f"| {rule} | {n:,} | {threshold_text(rule, rules.settings)} |")
+        fails = c.get("fails", {})
+        for rule in [r for r, _ in top] + [r for r in fails if r not in c["rejected"]]:
+            lines.append(f"| {rule} | {c['rejected'].get(rule, 0):,} | {fails.get(rule, '-'):,} "
+                         f"| {threshold_text(rule, rules.settings)} |")
         lines.append("")
         for rule, _ in top:
             for rid, value, text in examples.get(domain, {}).get(rule, []):

@@ -55,6 +55,17 @@ class DomainRules:
                 return r.name, float(value)
         return None
 
+    def failures(self, text: str) -> tuple[str, ...]:
+        """The names of every rule that rejects ``text``, in run order (the loss guard's
+        advice needs them all, not only the first)."""
+        view = TextView(text)
+        out = []
+        for r in self.rules:
+            value = r.measure(view, self.settings)
+            if r.fails(value, self.settings[r.threshold] if r.threshold else None):
+                out.append(r.name)
+        return tuple(out)
+
 
 _DEFAULTS = FilterConfig()
 
