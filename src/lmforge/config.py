@@ -67,7 +67,7 @@ class IngestConfig:
 
 # Kinds of text a domain can declare; lmforge.data.kinds gives each its rules and
 # thresholds (tests/test_filter_kinds.py keeps the two lists equal).
-FilterKind = Literal["web", "prose", "verse", "reference", "math", "code"]
+FilterKind = Literal["web", "prose", "verse", "reference", "math", "code", "dialogue", "short"]
 
 
 @dataclass
@@ -134,6 +134,10 @@ class FilterConfig:
     fineweb_short_line_chars: int = 30
     fineweb_max_dup_line_char_ratio: float = 0.01
     fineweb_max_newline_word_ratio: float = 0.3
+    # --- code nobody wrote (the code kind; Codex's and StarCoder's file filters): the
+    # longest line and the mean line length of a file, in characters
+    code_max_line_length: int = 1000
+    code_max_mean_line_length: float = 100.0
     # --- personal data: off, redact (replace with <EMAIL> ...), or drop the document
     pii: Literal["off", "redact", "drop"] = "off"
     pii_kinds: list[str] = field(default_factory=lambda: ["email", "phone", "ip", "cn_id"])

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmforge.config import FilterConfig
-from lmforge.data import kinds, rules_basic, rules_c4, rules_fineweb, rules_gopher  # noqa: F401 (register)
+from lmforge.data import kinds, rules_basic, rules_c4, rules_code, rules_fineweb, rules_gopher  # noqa: F401 (register)
 from lmforge.data.rule_names import unknown_rules
 from lmforge.data.rulebook import RULES, Rule, groups
 from lmforge.data.textview import TextView

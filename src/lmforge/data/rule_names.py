@@ -27,6 +27,8 @@ RULE_GROUPS: dict[str, tuple[str, ...]] = {
            "c4_min_sentences"),
     "fineweb": ("fineweb_line_punct", "fineweb_short_lines", "fineweb_dup_line_chars",
                 "fineweb_list_ratio"),
+    "code_generated": ("code_generated_header", "code_lock_file", "code_max_line_length",
+                       "code_mean_line_length"),
 }
 # Rule name -> its group.
 RULE_GROUP: dict[str, str] = {r: g for g, rules in RULE_GROUPS.items() for r in rules}
