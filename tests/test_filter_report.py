@@ -36,7 +36,7 @@ def test_report_lists_rules_with_counts_and_examples(tmp_path):
     metrics = run_filter(cfg, tmp_path / "in", tmp_path / "out", examples)
     assert [e[0] for e in examples["en"]["min_chars"]] == ["d6", "d7", "d8"][:EXAMPLES]
     report = render(cfg, metrics, examples, loss_problems(cfg, metrics))
-    assert "| en | prose | 13 | 6 | 53.8% **over** | 0.5 |" in report
+    assert "| en | prose | 13 | 6 | 53.8% **over** | 0.5 | en 62%, sk 38% |" in report  # "tiny"
     assert "| min_chars | 5 | 5 | min 200 |" in report
     assert "| char_repeat | 2 | 2 | max 0.3 |" in report
     assert "| gopher_min_words | 0 | 5 | min 50 |" in report  # judged, though never first

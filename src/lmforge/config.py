@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Literal, get_args, get_origin
 import yaml
 
 # Names only, no rule code: every stage loads params, and imports are its DVC deps.
-from lmforge.data.rule_names import PII_KINDS, RULE_NAMES, unknown_rules
+from lmforge.data.rule_names import LANGUAGE_CODES, PII_KINDS, RULE_NAMES, unknown_rules
 from lmforge.errors import ConfigError
 
 # --------------------------------------------------------------------------- sections
@@ -141,6 +141,10 @@ class FilterConfig:
     # --- personal data: off, redact (replace with <EMAIL> ...), or drop the document
     pii: Literal["off", "redact", "drop"] = "off"
     pii_kinds: list[str] = field(default_factory=lambda: ["email", "phone", "ip", "cn_id"])
+    # --- languages (lmforge.data.langid, fastText lid.176 codes: en, zh, ja ...): keep
+    # only documents in these (null = every language); counted under the reason
+    # 'language'. Every domain's language counts are in metrics/filter.json either way.
+    languages: list[str] | None = None
     domains: dict[str, DomainFilterConfig] = field(default_factory=dict)
     num_workers: int = 0
 
@@ -163,6 +167,12 @@ def _check_filter_settings(cfg: FilterConfig, where: str) -> None:
     if bad:
         raise ConfigError(f"{where}.pii_kinds: unknown kind(s) {', '.join(bad)} "
                           f"(known: {', '.join(PII_KINDS)})")
+    bad = sorted(set(cfg.languages or []) - LANGUAGE_CODES)
+    if bad:
+        raise ConfigError(f"{where}.languages: unknown code(s) {', '.join(bad)} (fastText lid.176 "
+                          "codes: en, zh, ja, ko, ru, fa, de, fr ...; und = no letters)")
+    if cfg.languages is not None and not cfg.languages:
+        raise ConfigError(f"{where}.languages: an empty list keeps nothing; null keeps every language")
     for f in dataclasses.fields(FilterConfig):
         value = getattr(cfg, f.name)
         if f.type in ("int", "float") and value < 0:

@@ -45,8 +45,9 @@ def filter_report(params_path: str, per_domain: int) -> str:
     params = load_params(params_path)
     table = sample_table(params.ingest, per_domain)
     failures: dict = {}
-    *_, counts, redacted, examples = judge_table(table, params.filter, failures)
-    metrics = domain_metrics(params.filter, counts, redacted, failures)
+    languages: dict = {}
+    *_, counts, redacted, examples = judge_table(table, params.filter, failures, languages)
+    metrics = domain_metrics(params.filter, counts, redacted, failures, languages)
     samples = {d: [t for t, dd in zip(table.column("text").to_pylist(),
                                       table.column("domain").to_pylist(), strict=True) if dd == d]
                for d in guarded_domains(params.filter, metrics)}

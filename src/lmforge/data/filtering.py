@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 
 from lmforge.config import FilterConfig
-from lmforge.data import filter_advice, pii
+from lmforge.data import filter_advice, langid, pii
 from lmforge.data.counts import Counts
 from lmforge.data.filter_report import add_example, merge_examples
 from lmforge.data.filters import DomainRules, domain_rules
@@ -46,6 +46,8 @@ class PartTask:
 
 
 PII_RULE = "pii"
+# A document in a language ``filter.languages`` leaves out (after the quality rules).
+LANGUAGE_RULE = "language"
 
 
 @dataclass
@@ -54,6 +56,7 @@ class PartResult:
     redacted: dict[str, Counter]  # per domain: personal data replaced, by kind
     examples: dict[str, dict[str, list]]  # per domain and rule: the first rejects
     failures: dict[str, Counter]  # per domain: every rule a rejected document fails -> count
+    languages: dict[str, dict[str, Counter]]  # per domain: "in" / "kept" -> language -> count
 
 
 def _pii_step(text: str, rules: DomainRules) -> tuple[str, Counter | None, float]:
@@ -71,21 +74,38 @@ def filter_part(task: PartTask) -> PartResult:
     """Filter one part; write the kept rows and the rejects; return the counts (worker)."""
     table = read_table(task.src)
     failures: dict[str, Counter] = {}
-    kept, texts, rejected, counts, redacted, examples = judge_table(table, task.cfg, failures)
+    languages: dict[str, dict[str, Counter]] = {}
+    kept, texts, rejected, counts, redacted, examples = judge_table(table, task.cfg, failures,
+                                                                    languages)
     kept = table.filter(pa.array(kept, pa.bool_()))
     if redacted:  # only then did any text change
         kept = kept.set_column(kept.schema.get_field_index("text"), "text",
                                pa.array(texts, pa.string()))
     write_table(kept, task.out)
     write_table(pa.table(rejected, schema=REJECTS_SCHEMA), task.rejects_out)
-    return PartResult(counts, redacted, examples, failures)
+    return PartResult(counts, redacted, examples, failures, languages)
+
+
+def _after_rules(text: str, rules: DomainRules, lang: str,
+                 ) -> tuple[tuple[str, float] | None, str, Counter | None]:
+    """(failure, text, PII redacted) of a document the rules passed: the language check
+    (``filter.languages``), then the PII step."""
+    wanted = rules.settings["languages"]
+    if wanted and lang not in wanted:
+        return (LANGUAGE_RULE, 0.0), text, None
+    new_text, found, pii_value = _pii_step(text, rules)
+    if pii_value > 0:
+        return (PII_RULE, pii_value), text, None
+    return None, (new_text if found else text), found
 
 
 def judge_table(table: pa.Table, cfg: FilterConfig, failures: dict[str, Counter] | None = None,
+                languages: dict[str, dict[str, Counter]] | None = None,
                 ) -> tuple[list[bool], list[str], dict, Counts, dict, dict]:
-    """Run the rules and the PII step on every row: (keep mask, kept texts, rejects
-    columns, counts, PII redacted per domain, rejected examples per domain and rule).
-    ``failures`` (when given) gets, per domain, every rule each rejected document fails."""
+    """Run the rules, the language check and the PII step on every row: (keep mask, kept
+    texts, rejects columns, counts, PII redacted per domain, rejected examples per domain
+    and rule). ``failures`` (when given) gets, per domain, every rule each rejected
+    document fails; ``languages`` the languages of its documents in and kept."""
     rules: dict[str, DomainRules] = {}
     counts = Counts()
     redacted: dict[str, Counter] = {}
@@ -93,27 +113,31 @@ def judge_table(table: pa.Table, cfg: FilterConfig, failures: dict[str, Counter]
     keep: list[bool] = []
     texts: list[str] = []
     rejected: dict[str, list[Any]] = {name: [] for name in REJECTS_SCHEMA.names}
+    languages = languages if languages is not None else {}
     cols = table.select(["id", "text", "domain", "source"]).to_pydict()
     for rid, text, domain, source in zip(cols["id"], cols["text"], cols["domain"], cols["source"], strict=True):
         if domain not in rules:
             rules[domain] = domain_rules(cfg, domain)
         c = counts[domain]
         c.n_in += 1
+        lang = langid.language(text)
+        langs = languages.setdefault(domain, {"in": Counter(), "kept": Counter()})
+        langs["in"][lang] += 1
         failure = rules[domain].first_failure(text)
         if failure is None:
-            new_text, found, pii_value = _pii_step(text, rules[domain])
-            if pii_value > 0:
-                failure = (PII_RULE, pii_value)
-            elif found:
+            failure, text, found = _after_rules(text, rules[domain], lang)
+            if found:
                 redacted.setdefault(domain, Counter()).update(found)
-                text = new_text
         keep.append(failure is None)
         if failure is None:
             c.kept += 1
+            langs["kept"][lang] += 1
             texts.append(text)
             continue
         c.rejected[failure[0]] += 1
-        if failures is not None and failure[0] != PII_RULE:
+        if failure[0] == LANGUAGE_RULE:
+            text = f"[{lang}] {text}"  # the example and the reject say which language
+        elif failures is not None and failure[0] != PII_RULE:  # what skipping rules gives back
             failures.setdefault(domain, Counter())[rules[domain].failures(text)] += 1
         add_example(examples, domain, failure[0], rid, float(failure[1]), text)
         for name, value in zip(REJECTS_SCHEMA.names, (rid, domain, source, failure[0],
@@ -143,25 +167,36 @@ def run_filter(cfg: FilterConfig, in_dir: str | Path, out_dir: str | Path,
                  for p in parts]
         redacted: dict[str, Counter] = {}
         failures = {} if failures is None else failures
+        languages: dict[str, dict[str, Counter]] = {}
         for result in executor.map(filter_part, tasks, "filter", PartLog(tmp / ".done")):
             counts.merge(result.counts)
             for domain, found in result.failures.items():
                 failures.setdefault(domain, Counter()).update(found)
+            for domain, by in result.languages.items():
+                mine = languages.setdefault(domain, {"in": Counter(), "kept": Counter()})
+                for key in by:
+                    mine[key].update(by[key])
             if examples is not None:
                 merge_examples(examples, result.examples)
             for domain, found in result.redacted.items():
                 redacted.setdefault(domain, Counter()).update(found)
-    metrics = domain_metrics(cfg, counts, redacted, failures)
+    metrics = domain_metrics(cfg, counts, redacted, failures, languages)
     metrics["parts"] = len(parts)
     return metrics
 
 
 def domain_metrics(cfg: FilterConfig, counts: Counts, redacted: dict[str, Counter],
-                   failures: dict[str, Counter] | None = None) -> dict:
-    """Counts as metrics, with each domain's kind, loss, rules and PII redactions, and
-    (``fails``) how many rejected documents each rule fails, first or not."""
+                   failures: dict[str, Counter] | None = None,
+                   languages: dict[str, dict[str, Counter]] | None = None) -> dict:
+    """Counts as metrics, with each domain's kind, loss, rules and PII redactions,
+    (``fails``) how many rejected documents each rule fails, first or not, and the
+    languages of its documents (``languages``: in, ``languages_kept``: kept)."""
     metrics = counts.as_dict()
     for domain, c in metrics["domains"].items():
+        if languages and domain in languages:
+            for key, name in (("in", "languages"), ("kept", "languages_kept")):
+                found = languages[domain][key]
+                c[name] = dict(sorted(found.items(), key=lambda kv: (-kv[1], kv[0])))
         if failures and failures.get(domain):
             fails: Counter = Counter()
             for rules, n in failures[domain].items():
@@ -228,10 +263,15 @@ def _keep_text(cfg: FilterConfig, domain: str, c: dict[str, Any],
     texts = (samples or {}).get(domain) or []
     shares = filter_advice.kind_shares(cfg, domain, texts) if texts else None
     fix = filter_advice.advice(cfg, domain, c, (failures or {}).get(domain), shares, len(texts))
+    if c["rejected"].get(LANGUAGE_RULE):
+        seen = [lang for lang in c.get("languages", {}) if lang not in (s["languages"] or [])][:5]
+        widen = (f"filter.domains.{domain}.languages: [{', '.join([*(s['languages'] or []), *seen])}] "
+                 f"({c['rejected'][LANGUAGE_RULE]:,} were in other languages)")
+        fix = f"{fix} or {widen}" if fix else widen
     if fix:
         return f"keep them with {fix}, "
     rules = [r for r, _ in sorted(c["rejected"].items(), key=lambda kv: (-kv[1], kv[0]))
-             if r != PII_RULE]
+             if r not in (PII_RULE, LANGUAGE_RULE)]
     if rules:
         return (f"keep them with filter.domains.{domain}.skip: [{', '.join(rules)}] (or a kind "
                 f"that fits the text, now {s['kind']}), ")
