@@ -227,6 +227,31 @@ class DedupConfig:
 
 
 @dataclass
+class DecontamConfig:
+    """Evaluation items checked for n-gram overlap with the training text (the GPT-3 /
+    NeMo Curator 13-gram method; lmforge.data.decontam). The sets checked: the harness
+    task folder, the SFT test splits and the preference test pairs named in params,
+    and ``extra`` files or folders (a user's own lm-eval tasks)."""
+
+    ngram: int = 13
+    # Items of min_ngram..ngram-1 words are one n-gram; shorter ones are too short to tell.
+    min_ngram: int = 8
+    # An n-gram found in more than this many training documents is common, not counted.
+    max_matches: int = 10
+    # true: drop the training documents that hold an evaluation n-gram (counted).
+    remove: bool = False
+    extra: list[str] = field(default_factory=list)
+    num_workers: int = 0
+
+    def validate(self) -> None:
+        _positive(self, "ngram", "min_ngram", "max_matches")
+        _non_negative(self, "num_workers")
+        if self.min_ngram > self.ngram:
+            raise ConfigError(f"decontam.min_ngram: {self.min_ngram} must be <= "
+                              f"decontam.ngram={self.ngram}")
+
+
+@dataclass
 class MixConfig:
     # Target share of each domain in the train split; normalised to sum to 1.
     weights: dict[str, float] = field(default_factory=dict)
@@ -752,6 +777,7 @@ class Params:
     ingest: IngestConfig = field(default_factory=IngestConfig)
     filter: FilterConfig = field(default_factory=FilterConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
+    decontam: DecontamConfig = field(default_factory=DecontamConfig)
     mix: MixConfig = field(default_factory=MixConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     shards: ShardsConfig = field(default_factory=ShardsConfig)
