@@ -62,6 +62,7 @@ def test_planted_overlaps_are_found_and_near_misses_are_not(tmp_path):
         "tiny": ("web", FILLER + TINY + FILLER),
     }
     _train(tmp_path, docs)
+    (tmp_path / "train" / "clusters.parquet").write_bytes(b"dedup's clusters")
     cfg = DecontamConfig(num_workers=1)
     m = run_decontam(cfg, _eval_set(tmp_path), tmp_path / "train", tmp_path / "out")
     s = m["sets"]["tasks"]
@@ -74,6 +75,7 @@ def test_planted_overlaps_are_found_and_near_misses_are_not(tmp_path):
     assert kept.num_rows == 7  # remove: false passes every document
     assert (tmp_path / "out" / "part-00000.parquet").read_bytes() == \
         (tmp_path / "train" / "part-00000.parquet").read_bytes()
+    assert (tmp_path / "out" / "clusters.parquet").read_bytes() == b"dedup's clusters"
     assert "| tasks | 5 | 4 | 3 | 75.0% | web 2, zh 1 |" in render(m)
 
 

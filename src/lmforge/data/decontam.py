@@ -241,6 +241,9 @@ def _write_parts(parts: list[Path], out_dir: str | Path, removed: set[str],
                 shutil.copyfile(p, tmp / p.name)  # the same bytes: nothing downstream changes
             else:
                 write_table(table.filter(pa.array(keep)), tmp / p.name)
+        clusters = parts[0].parent / "clusters.parquet"  # dedup's: mix splits val by cluster
+        if clusters.is_file():
+            shutil.copyfile(clusters, tmp / clusters.name)
     return {d: {"in": c["in"], "kept": c["kept"], "matched": c["matched"],
                 "rejected": {"eval_overlap": c["in"] - c["kept"]} if c["in"] > c["kept"] else {}}
             for d, c in sorted(counts.items())}
