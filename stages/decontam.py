@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from lmforge.config import Params
 from lmforge.data.decontam import render, run_decontam
+from lmforge.data.mix import val_ids
 from lmforge.data.report import print_report
 from lmforge.executor import make_executor
 from lmforge.io import write_json, write_text
@@ -23,8 +24,9 @@ def eval_sets(params: Params) -> dict[str, str]:
 
 def main(params: Params) -> None:
     executor = make_executor(params.executor, params.decontam.num_workers)
+    held_out = val_ids(params.mix, "data/deduped", executor)  # mix's val: not trained on
     metrics = run_decontam(params.decontam, eval_sets(params), "data/deduped", "data/decontam",
-                           executor)
+                           executor, held_out)
     write_json("metrics/decontam.json", metrics)
     write_text("metrics/decontam_report.md", render(metrics))
     print_report("decontam", metrics)

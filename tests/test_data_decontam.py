@@ -70,13 +70,14 @@ def test_planted_overlaps_are_found_and_near_misses_are_not(tmp_path):
     assert s["contaminated"] == 3  # question, short item, poem; not the spider question
     assert sorted(e["train_id"] for e in s["examples"]) == ["poem", "q-copy", "short-copy"]
     assert s["by_domain"] == {"web": 2, "zh": 1}
-    assert m["domains"]["web"] == {"in": 6, "kept": 6, "matched": 2, "rejected": {}}
+    assert m["domains"]["web"] == {"in": 6, "kept": 6, "matched": 2, "matched_val": 0,
+                                   "rejected": {}}
     kept = pq.read_table(tmp_path / "out" / "part-00000.parquet")
     assert kept.num_rows == 7  # remove: false passes every document
     assert (tmp_path / "out" / "part-00000.parquet").read_bytes() == \
         (tmp_path / "train" / "part-00000.parquet").read_bytes()
     assert (tmp_path / "out" / "clusters.parquet").read_bytes() == b"dedup's clusters"
-    assert "| tasks | 5 | 4 | 3 | 75.0% | web 2, zh 1 |" in render(m)
+    assert "| tasks | 5 | 4 | 3 | 75.0% | web 2, zh 1 | 0 |" in render(m)
 
 
 def test_remove_drops_the_matching_documents_and_counts_them(tmp_path):
@@ -85,8 +86,19 @@ def test_remove_drops_the_matching_documents_and_counts_them(tmp_path):
     m = run_decontam(DecontamConfig(num_workers=1, remove=True), _eval_set(tmp_path),
                      tmp_path / "train", tmp_path / "out")
     assert pq.read_table(tmp_path / "out" / "part-00000.parquet").column("id").to_pylist() == ["b"]
-    assert m["domains"]["web"] == {"in": 2, "kept": 1, "matched": 1, "rejected": {"eval_overlap": 1}}
+    assert m["domains"]["web"] == {"in": 2, "kept": 1, "matched": 1, "matched_val": 0,
+                                   "rejected": {"eval_overlap": 1}}
     assert m["domains"]["zh"]["rejected"] == {"eval_overlap": 1}
+
+
+def test_an_item_found_only_in_the_val_split_is_not_contamination(tmp_path):
+    _train(tmp_path, {"train": ("web", FILLER * 2 + SHORT_ITEM), "val": ("web", FILLER + QUESTION)})
+    m = run_decontam(DecontamConfig(num_workers=1), _eval_set(tmp_path), tmp_path / "train",
+                     tmp_path / "out", held_out={"val"})
+    s = m["sets"]["tasks"]
+    assert (s["contaminated"], s["in_val_only"]) == (1, 1)
+    assert [e["train_id"] for e in s["examples"]] == ["train"]
+    assert m["domains"]["web"]["matched"] == 1 and m["domains"]["web"]["matched_val"] == 1
 
 
 def test_an_ngram_in_too_many_documents_is_common_not_contamination(tmp_path):

@@ -170,10 +170,16 @@ def scan_part(task: ScanTask) -> list[tuple[str, str, list[tuple[str, ...]]]]:
 
 
 def run_decontam(cfg: DecontamConfig, sets: dict[str, str], in_dir: str | Path,
-                 out_dir: str | Path, executor: Executor | None = None) -> dict[str, Any]:
+                 out_dir: str | Path, executor: Executor | None = None,
+                 held_out: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
     """Check every evaluation set in ``sets`` (name -> file or folder) against the
     documents of ``in_dir``; write its parts to ``out_dir`` (less the matching documents
-    when ``cfg.remove``); return the metrics (per set and per domain, with examples)."""
+    when ``cfg.remove``); return the metrics (per set and per domain, with examples).
+
+    Documents in ``held_out`` (mix's val split) are no training text: an item found only
+    there is counted apart (``in_val_only``), not as contamination; ``remove`` drops
+    them too (a held-out copy of an evaluation item helps no one, and a removal can move
+    the val split)."""
     executor = executor or LocalExecutor(cfg.num_workers)
     cfg = output_settings(cfg)
     items = [it for name, path in sets.items() for it in read_items(name, path)]
@@ -186,21 +192,26 @@ def run_decontam(cfg: DecontamConfig, sets: dict[str, str], in_dir: str | Path,
     common = {g for g, n in docs_of.items() if n > cfg.max_matches}
     dirty = {rid: (domain, [g for g in grams if g not in common])
              for rid, domain, grams in matches if any(g not in common for g in grams)}
-    metrics = _metrics(cfg, sets, items, checked, index, dirty, common)
+    metrics = _metrics(cfg, sets, items, checked, index, dirty, common, held_out)
     removed = set(dirty) if cfg.remove else set()
-    metrics["domains"] = _write_parts(parts, out_dir, removed, cfg, dirty)
+    metrics["domains"] = _write_parts(parts, out_dir, removed, cfg, dirty, held_out)
     return metrics
 
 
 def _metrics(cfg: DecontamConfig, sets: dict[str, str], items: list[Item], checked: list[bool],
-             index: NgramIndex, dirty: dict[str, tuple[str, list]], common: set) -> dict[str, Any]:
+             index: NgramIndex, dirty: dict[str, tuple[str, list]], common: set,
+             held_out: set[str] | frozenset[str]) -> dict[str, Any]:
     """Per set: items, checked, contaminated (share of checked), examples with the
-    training document and the shared words."""
+    training document and the shared words; items found in held-out documents only."""
     hits: dict[int, tuple[str, str, tuple[str, ...]]] = {}
+    val_hits: set[int] = set()
     for rid, (domain, grams) in sorted(dirty.items()):
         for g in grams:
             for k in index.items[g]:
-                hits.setdefault(k, (rid, domain, g))
+                if rid in held_out:
+                    val_hits.add(k)
+                else:
+                    hits.setdefault(k, (rid, domain, g))
     by_set: dict[str, Any] = {}
     for name in sets:
         ks = [k for k, it in enumerate(items) if it.set == name]
@@ -210,6 +221,7 @@ def _metrics(cfg: DecontamConfig, sets: dict[str, str], items: list[Item], check
         by_set[name] = {
             "path": sets[name], "items": len(ks), "checked": n_checked,
             "too_short": len(ks) - n_checked, "contaminated": len(dirty_ks),
+            "in_val_only": sum(k in val_hits and k not in hits for k in ks),
             "contaminated_share": round(len(dirty_ks) / n_checked, 4) if n_checked else 0.0,
             "by_domain": dict(sorted(domains.items())),
             "examples": [{"item": items[k].where, "text": _snip(items[k].text),
@@ -225,7 +237,8 @@ def _snip(text: str) -> str:
 
 
 def _write_parts(parts: list[Path], out_dir: str | Path, removed: set[str],
-                 cfg: DecontamConfig, dirty: dict[str, tuple[str, list]]) -> dict[str, Any]:
+                 cfg: DecontamConfig, dirty: dict[str, tuple[str, list]],
+                 held_out: set[str] | frozenset[str]) -> dict[str, Any]:
     """Copy the parts to ``out_dir`` (without the ``removed`` ids); per-domain counts."""
     counts: dict[str, Counter] = defaultdict(Counter)
     with resumable_dir(out_dir, files_fingerprint(parts, "decontam", cfg, sorted(removed))) as tmp:
@@ -236,7 +249,8 @@ def _write_parts(parts: list[Path], out_dir: str | Path, removed: set[str],
             for rid, domain, k in zip(ids, domains, keep, strict=True):
                 counts[domain]["in"] += 1
                 counts[domain]["kept"] += k
-                counts[domain]["matched"] += rid in dirty
+                counts[domain]["matched"] += rid in dirty and rid not in held_out
+                counts[domain]["matched_val"] += rid in dirty and rid in held_out
             if all(keep):
                 shutil.copyfile(p, tmp / p.name)  # the same bytes: nothing downstream changes
             else:
@@ -245,6 +259,7 @@ def _write_parts(parts: list[Path], out_dir: str | Path, removed: set[str],
         if clusters.is_file():
             shutil.copyfile(clusters, tmp / clusters.name)
     return {d: {"in": c["in"], "kept": c["kept"], "matched": c["matched"],
+                "matched_val": c["matched_val"],
                 "rejected": {"eval_overlap": c["in"] - c["kept"]} if c["in"] > c["kept"] else {}}
             for d, c in sorted(counts.items())}
 
@@ -258,16 +273,19 @@ def render(metrics: dict[str, Any]) -> str:
              f"short to tell; an n-gram in more than {m['max_matches']} documents is common and "
              f"not counted: {m['common_ngrams_ignored']:,} such). Overlapping documents "
              f"{'removed' if m['remove'] else 'kept (decontam.remove: false)'}.", "",
-             "| set | items | checked | contaminated | share | in domains |",
-             "|---|---:|---:|---:|---:|---|"]
+             "Contaminated: found in a training document; mix's val split is held out, so an "
+             "item found only there is counted apart.", "",
+             "| set | items | checked | contaminated | share | in domains | in val only |",
+             "|---|---:|---:|---:|---:|---|---:|"]
     for name, s in m["sets"].items():
         where = ", ".join(f"{d} {n}" for d, n in s["by_domain"].items()) or "-"
         lines.append(f"| {name} | {s['items']:,} | {s['checked']:,} | {s['contaminated']:,} | "
-                     f"{s['contaminated_share']:.1%} | {where} |")
-    lines += ["", "| domain | documents | holding an evaluation n-gram | removed |",
-              "|---|---:|---:|---:|"]
+                     f"{s['contaminated_share']:.1%} | {where} | {s['in_val_only']:,} |")
+    lines += ["", "| domain | documents | training documents holding an evaluation n-gram | "
+              "val documents holding one | removed |", "|---|---:|---:|---:|---:|"]
     for d, c in m["domains"].items():
-        lines.append(f"| {d} | {c['in']:,} | {c['matched']:,} | {c['in'] - c['kept']:,} |")
+        lines.append(f"| {d} | {c['in']:,} | {c['matched']:,} | {c['matched_val']:,} | "
+                     f"{c['in'] - c['kept']:,} |")
     for name, s in m["sets"].items():
         if s["examples"]:
             lines += ["", f"## {name}", ""]

@@ -215,6 +215,18 @@ def read_clusters(path: Path, ids: list[str]) -> list[str]:
     return [cluster_of.get(i, i) for i in ids]
 
 
+def val_ids(cfg: MixConfig, in_dir: str | Path, executor: Executor | None = None) -> set[str]:
+    """The ids run_mix holds out for val from ``in_dir`` (the same plan; nothing written):
+    what is not training text, for the decontamination check."""
+    in_dir = Path(in_dir)
+    executor = executor or LocalExecutor(cfg.num_workers)
+    sizes = list(executor.map(measure_part, [(str(p), cfg.unit) for p in list_parts(in_dir)],
+                              "mix: measure"))
+    plan = plan_mix(cfg, in_dir, sizes)
+    ids = [i for s in sizes for i in s.ids]
+    return {ids[k] for k in np.flatnonzero(plan.is_val)}
+
+
 def run_mix(cfg: MixConfig, in_dir: str | Path, out_dir: str | Path,
             executor: Executor | None = None) -> dict[str, Any]:
     """Split, re-weight and shuffle ``in_dir`` into ``out_dir``/{train,val}; return metrics.
