@@ -109,8 +109,10 @@ def advice(cfg: FilterConfig, domain: str, c: dict, failures: Counter | None,
                       reverse=True)
         if fits:
             of = f"its {n_sample:,}" if n_sample >= c["in"] else f"the first {n_sample:,}"
+            also = "".join(f", {k} {v:.0%}" for v, k in fits[1:3])
             options.append(f"{where}.kind: {fits[0][1]} (keeps {fits[0][0]:.0%} of {of} "
-                           f"documents; kind {s['kind']} keeps {shares[s['kind']]:.0%})")
+                           f"documents{'; also passing: ' + also[2:] if also else ''}; kind "
+                           f"{s['kind']} keeps {shares[s['kind']]:.0%})")
     if failures:
         found = smallest_skip(failures, c["kept"], allowed_loss(c["in"], s["max_loss"], s["min_docs"]))
         if found is not None:
