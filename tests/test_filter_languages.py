@@ -61,8 +61,9 @@ def test_languages_are_counted_and_filter_languages_keeps_some(tmp_path):
     assert c["languages_kept"] == {"zh": 3, "en": 2}
     rejects = pq.read_table(tmp_path / "some" / "rejects").to_pydict()
     assert rejects["rule"] == [LANGUAGE_RULE] * 2
-    assert [t[:5] for t in rejects["text"]] == ["[ja] ", "[ko] "]
+    assert rejects["text"] == [SAMPLES["ja"], SAMPLES["ko"]]  # as they came
     report = render(some, metrics, examples)
+    assert f"`d5`: [ja] {SAMPLES['ja']}" in report and f"`d6`: [ko] {SAMPLES['ko']}" in report
     assert "| chat | short | 7 | 5 | 28.6% | 1 | zh 43%, en 29%, ja 14%, ko 14% |" in report
     assert "| language | 2 | - | keep zh, en |" in report
 

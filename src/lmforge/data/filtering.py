@@ -135,11 +135,12 @@ def judge_table(table: pa.Table, cfg: FilterConfig, failures: dict[str, Counter]
             texts.append(text)
             continue
         c.rejected[failure[0]] += 1
+        shown = text
         if failure[0] == LANGUAGE_RULE:
-            text = f"[{lang}] {text}"  # the example and the reject say which language
+            shown = f"[{lang}] {text}"  # the report's example says which language
         elif failures is not None and failure[0] != PII_RULE:  # what skipping rules gives back
             failures.setdefault(domain, Counter())[rules[domain].failures(text)] += 1
-        add_example(examples, domain, failure[0], rid, float(failure[1]), text)
+        add_example(examples, domain, failure[0], rid, float(failure[1]), shown)
         for name, value in zip(REJECTS_SCHEMA.names, (rid, domain, source, failure[0],
                                                       float(failure[1]), text), strict=True):
             rejected[name].append(value)
