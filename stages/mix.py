@@ -1,4 +1,4 @@
-"""DVC stage: data/deduped/ -> data/mixed/{train,val}/ (split per domain, re-weighted)."""
+"""DVC stage: data/decontam/ -> data/mixed/{train,val}/ (split per domain, re-weighted)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from lmforge.stage import run_stage
 
 def main(params: Params) -> None:
     executor = make_executor(params.executor, params.mix.num_workers)
-    metrics = run_mix(params.mix, "data/deduped", "data/mixed", executor)
+    metrics = run_mix(params.mix, "data/decontam", "data/mixed", executor)
     write_json("metrics/mix.json", metrics)
     print_report("mix", metrics)
     for domain, short in metrics["shortfalls"].items():

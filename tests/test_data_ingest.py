@@ -129,9 +129,9 @@ def test_glob_matching_nothing_names_the_source(tmp_path):
 
 
 def test_unknown_extension_under_auto_is_an_error(tmp_path):
-    (tmp_path / "data.csv").write_text("text\nhello\n")
+    (tmp_path / "data.xlsx").write_text("text\nhello\n")
     with pytest.raises(InputError, match="cannot tell the format"):
-        _ingest(tmp_path, SourceConfig(str(tmp_path / "data.csv"), "en"))
+        _ingest(tmp_path, SourceConfig(str(tmp_path / "data.xlsx"), "en"))
 
 
 def test_zst_without_zstandard_is_a_clear_error(tmp_path, monkeypatch):
@@ -265,3 +265,75 @@ def test_txt_with_a_byte_order_mark_has_it_stripped(tmp_path, suffix, split, exp
     src = SourceConfig(str(tmp_path / f"t.txt{suffix}"), "en", txt_split=split)
     _, docs, rejects = _ingest(tmp_path, src)
     assert docs.column("text").to_pylist() == expected and rejects.num_rows == 0
+
+
+# --- CSV, TSV and JSON arrays
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n"], ids=["lf", "crlf"])
+@pytest.mark.parametrize("bom", [BOM, b""], ids=["bom", "no-bom"])
+@pytest.mark.parametrize("suffix", ["", ".gz"])
+def test_csv_with_quoting_newlines_and_bad_rows(tmp_path, newline, bom, suffix):
+    rows = [b"review_id,stars,review",                       # line 1: the header
+            b'r1,5,"Great kettle, boils fast."',              # 2: a quoted comma
+            b'r2,1,"Broke after a week.' + newline + b'Would not buy again."',  # 3-4
+            b"r3,4",                                          # 5: a cell short
+            b"",                                              # 6: a blank line
+            b'r4,3,"She said ""fine"" and left."',            # 7: doubled quotes
+            b"r5,2,",                                         # 8: empty text
+            b"r6,5,\xe5\xa5\xbd\xe8\xaf\x84\xef\xbc\x81",     # 9: 好评！
+            b"r7,1,\xff\xfe bad bytes",                       # 10: not UTF-8
+            b"r8,5,too,many,cells"]                           # 11
+    data = bom + newline.join(rows) + newline
+    (tmp_path / f"reviews.csv{suffix}").write_bytes(_compressed(data, suffix))
+    src = SourceConfig(str(tmp_path / f"reviews.csv{suffix}"), "reviews", text_field="review",
+                       id_field="review_id")
+    metrics, docs, rejects = _ingest(tmp_path, src)
+    assert docs.column("id").to_pylist() == ["r1", "r2", "r4", "r6"]
+    nl = newline.decode()
+    assert docs.column("text").to_pylist() == [
+        "Great kettle, boils fast.", f"Broke after a week.{nl}Would not buy again.",
+        'She said "fine" and left.', "好评！"]
+    assert docs.column("line").to_pylist() == [2, 3, 7, 9]
+    assert rejects.select(["line", "reason"]).to_pylist() == [
+        {"line": 5, "reason": "wrong_column_count"}, {"line": 8, "reason": readers.EMPTY_TEXT},
+        {"line": 10, "reason": readers.INVALID_UTF8}, {"line": 11, "reason": "wrong_column_count"}]
+    assert rejects.column("file").to_pylist()[0] == str(tmp_path / f"reviews.csv{suffix}")
+    assert metrics["domains"]["reviews"]["rejected"] == {
+        "wrong_column_count": 2, readers.EMPTY_TEXT: 1, readers.INVALID_UTF8: 1}
+
+
+def test_tsv_reads_by_tab_and_names_a_missing_column(tmp_path):
+    (tmp_path / "t.tsv").write_text("id\ttitle\n1\tRiver maps, vol. 2\n2\tMountain passes\n")
+    _, docs, _ = _ingest(tmp_path, SourceConfig(str(tmp_path / "t.tsv"), "titles", text_field="title"))
+    assert docs.column("text").to_pylist() == ["River maps, vol. 2", "Mountain passes"]
+    assert docs.column("id").to_pylist() == ["1", "2"]
+    with pytest.raises(InputError, match="no column 'text'.*id, title"):
+        _ingest(tmp_path, SourceConfig(str(tmp_path / "t.tsv"), "titles"))
+
+
+@pytest.mark.parametrize("bom", [BOM, b""], ids=["bom", "no-bom"])
+def test_json_array_records_keep_their_lines_and_bad_ones_are_rejected(tmp_path, bom):
+    body = ('[\r\n  {"id": "a", "text": "first"},\r\n  {"id": "b",\r\n   "text": "second"},\r\n'
+            '  42,\r\n  {"id": "c"},\r\n  {"id": "d", "text": "对话"}\r\n]\r\n')
+    (tmp_path / "export.json").write_bytes(bom + body.encode())
+    metrics, docs, rejects = _ingest(tmp_path, SourceConfig(str(tmp_path / "export.json"), "chat"))
+    assert docs.column("id").to_pylist() == ["a", "b", "d"]
+    assert docs.column("text").to_pylist() == ["first", "second", "对话"]
+    assert docs.column("line").to_pylist() == [2, 3, 7]
+    assert rejects.select(["line", "reason"]).to_pylist() == [
+        {"line": 5, "reason": readers.NOT_AN_OBJECT}, {"line": 6, "reason": readers.MISSING_TEXT}]
+    assert metrics["domains"]["chat"]["kept"] == 3
+
+
+def test_a_broken_json_array_keeps_what_came_before(tmp_path):
+    (tmp_path / "cut.json").write_text('[{"text": "one"},\n {"text": "two"},\n {"text": "thr')
+    _, docs, rejects = _ingest(tmp_path, SourceConfig(str(tmp_path / "cut.json"), "en"))
+    assert docs.column("text").to_pylist() == ["one", "two"]
+    assert rejects.select(["line", "reason"]).to_pylist() == [{"line": 3, "reason": readers.INVALID_JSON}]
+
+
+def test_a_json_file_of_lines_is_still_json_lines(tmp_path):
+    _jsonl(tmp_path / "lines.json", [{"id": "x", "text": GOOD}, {"id": "y", "text": GOOD + "!"}])
+    _, docs, _ = _ingest(tmp_path, SourceConfig(str(tmp_path / "lines.json"), "en"))
+    assert docs.column("id").to_pylist() == ["x", "y"]

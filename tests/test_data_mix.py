@@ -12,7 +12,7 @@ import pytest
 
 from lmforge.config import MixConfig
 from lmforge.data.dedup import CLUSTERS_SCHEMA
-from lmforge.data.mix import run_mix
+from lmforge.data.mix import run_mix, shortfall_line
 from lmforge.data.records import SCHEMA, part_name, write_table
 
 SIZES = {"big": 300, "mid": 120, "zh": 60}
@@ -187,3 +187,24 @@ def test_no_shortfall_when_the_total_follows_the_caps(tmp_path):
     m = run_mix(cfg(), tmp_path / "in", tmp_path / "out")
     assert m["shortfalls"] == {}
     assert all(d["shortfall"] <= 0.01 for d in m["domains"].values())
+
+
+def test_a_shortfall_says_when_other_domains_took_more_than_their_share(tmp_path):
+    """Thousands of short documents at 0.5 epochs fall short only because a domain of
+    three long documents overshoots its share: the message says so, not 'too long'."""
+    rows = [(f"s-{i}", f"review {i:05d} " + "z" * 87, "short") for i in range(2000)]
+    rows += [(f"l-{i}", "y" * 60_000, "long") for i in range(3)]
+    src = tmp_path / "in"
+    src.mkdir()
+    write_table(pa.table({"id": [r[0] for r in rows], "text": [r[1] for r in rows],
+                          "domain": [r[2] for r in rows], "source": ["t"] * len(rows)}),
+                src / part_name(0))
+    m = run_mix(MixConfig(weights={"short": 1, "long": 1}, total=200_000, max_epochs=4.0,
+                          val_fraction=0.0, min_val_docs=0, min_val_chars=0, max_shortfall=1.0,
+                          num_workers=1), src, tmp_path / "out")
+    short = m["shortfalls"]["short"]
+    assert short["epochs"] == 0.5 and short["taken"] == short["target"] == 100_000
+    assert short["why"] == ("it took all 100,000 chars asked, but the train split grew around "
+                            "it (long took 54.5% for 50.0% asked: a domain of few long documents "
+                            "overshoots its share)")
+    assert "too long to sample finely" not in shortfall_line("short", short, MixConfig())

@@ -48,6 +48,7 @@ NON_OUTPUT_KEYS: dict[str, dict[str, str]] = {
     "filter": {"num_workers": "worker count"},
     "dedup": {"num_workers": "worker count"},
     "mix": {"num_workers": "worker count"},
+    "decontam": {"num_workers": "worker count"},
     "shards": {"num_workers": "worker count"},
     # Where the per-part tasks run: the executor yields results in task order, so the
     # local pool and a Ray cluster write the same bytes (tests/test_executor_ray.py).
@@ -89,7 +90,10 @@ NON_OUTPUT_KEYS: dict[str, dict[str, str]] = {
 # The params sections a stage reads; its param deps come from these only.
 STAGE_SECTIONS = {"train": {"model", "train"},
                   # The forgetting pass scores like evaluate (evaluate.max_batches).
-                  "evaluate_post": {"evaluate_post", "evaluate"}}
+                  "evaluate_post": {"evaluate_post", "evaluate"},
+                  # The evaluation sets those sections name, checked against the training
+                  # text; mix's val split (by mix's keys) is held out, no training text.
+                  "decontam": {"decontam", "harness", "evaluate_post", "mix"}}
 
 
 # --------------------------------------------------------------------------- code deps
@@ -219,10 +223,11 @@ def test_lazy_imports_of_the_real_stages_are_seen():
     # imports would miss them.
     assert "src/lmforge/train/selfcheck.py" in executed_files("stages.train")
     assert "src/lmforge/tracking.py" in executed_files("stages.train")
-    # mix.py is imported by the mix stage alone, so editing it reruns only mix.
+    # mix.py is imported by mix and by decontam (which holds mix's val split out of the
+    # training text), so editing it reruns those two only.
     owners = {n for n, s in STAGES.items() if "src/lmforge/data/mix.py" in
               executed_files(entry_module(s))}
-    assert owners == {"mix"}
+    assert owners == {"mix", "decontam"}
 
 
 @pytest.mark.parametrize("name", sorted(STAGES))
@@ -302,7 +307,10 @@ def test_params_yaml_lists_every_key():
 DEMO = REPO / "data" / "raw" / "demo"
 DOCS_PER_DOMAIN = 20
 # The stages run for real below: the data stages and the tokenizer, seconds on a slice.
-TOUCH_STAGES = ("ingest", "filter", "dedup", "mix", "tokenizer", "shards")
+TOUCH_STAGES = ("ingest", "filter", "dedup", "decontam", "mix", "tokenizer", "shards")
+# The evaluation sets the decontam stage reads (dvc.yaml deps under data/).
+EVAL_SETS = ("data/tasks/demo", "data/instructions/demo/test.jsonl.gz",
+             "data/instructions/demo/test_mc.jsonl.gz", "data/preferences/demo/test.jsonl.gz")
 
 
 def dvc(root: Path, *args: str) -> str:
@@ -347,6 +355,10 @@ def data_pipeline(tmp_path_factory) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         with gzip.open(out, "wt", encoding="utf-8") as f:
             f.writelines(lines)
+    for dep in EVAL_SETS:
+        (root / dep).parent.mkdir(parents=True, exist_ok=True)
+        copy = shutil.copytree if (REPO / dep).is_dir() else shutil.copy
+        copy(REPO / dep, root / dep)
     shutil.copy(REPO / "params.yaml", root / "params.yaml")
     set_param(root, "ingest", "num_workers", 1)
     set_param(root, "tokenizer", "vocab_size", 2000)
@@ -372,9 +384,9 @@ def test_editing_mix_py_reruns_only_mix(data_pipeline):
     # so a failure leaves the repo reproduced for the other test.)
     status = changed_stages(root)
     ran = set(re.findall(r"Running stage '(\w+)'", dvc(root, "repro")))
-    assert set(status) == {"mix"}, status
+    assert set(status) == {"decontam", "mix"}, status
     assert "src/lmforge/data/mix.py" in json.dumps(status["mix"])
-    assert ran == {"mix"}
+    assert ran == {"decontam", "mix"}
 
 
 @pytest.mark.slow
@@ -387,5 +399,5 @@ def test_worker_count_reruns_nothing_but_a_seed_does(data_pipeline):
     after_seed = changed_stages(root)
     (root / "params.yaml").write_text(original, encoding="utf-8")
     assert after_workers == {}
-    assert set(after_seed) == {"mix"}, after_seed
+    assert set(after_seed) == {"decontam", "mix"}, after_seed  # the val split moves
     assert "mix.seed" in json.dumps(after_seed["mix"])

@@ -28,7 +28,7 @@ from lmforge.executor import ExecutorError, LocalExecutor, RayExecutor  # noqa: 
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "data" / "raw" / "demo"
-DATA_STAGES = ("ingest", "filter", "dedup", "mix")
+DATA_STAGES = ("ingest", "filter", "dedup", "decontam", "mix")
 # Figures of how long a run took, not of what it wrote.
 TIMING_KEYS = {"seconds", "tokens_per_sec", "num_workers"}
 
@@ -54,6 +54,12 @@ def slice_params() -> Params:
                                 max_shortfall=1.0, num_workers=2)
     p.tokenizer = dataclasses.replace(p.tokenizer, vocab_size=3500, sample_chars=300_000,
                                       num_threads=1)
+    # decontam reads the repo's evaluation sets where they are.
+    p.harness = dataclasses.replace(p.harness, task_dir=str(REPO / p.harness.task_dir))
+    post = p.evaluate_post
+    p.evaluate_post = dataclasses.replace(post, **{k: str(REPO / getattr(post, k))
+                                                   for k in ("test", "test_mc", "test_pref")})
+    p.decontam = dataclasses.replace(p.decontam, num_workers=2)
     p.shards = dataclasses.replace(p.shards, shard_tokens=20_000, num_workers=2)
     p.validate()
     return p

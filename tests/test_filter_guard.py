@@ -3,7 +3,10 @@ naming the domain, the share, the rules with their counts and the override."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -11,7 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from lmforge.config import DomainFilterConfig, FilterConfig, Params
-from lmforge.data.filtering import loss_problems, run_filter
+from lmforge.data.filter_advice import domain_samples, smallest_skip
+from lmforge.data.filtering import guarded_domains, loss_problems, run_filter
 from lmforge.data.records import SCHEMA
 from lmforge.errors import InputError
 
@@ -45,10 +49,50 @@ def test_guard_names_domain_share_rules_and_override(tmp_path):
     assert metrics["domains"]["poems"]["kind"] == "prose"
     (line,) = loss_problems(cfg, metrics)
     assert "\n" not in line
-    assert line == ("filter: poems lost 12 of 12 documents (100%, above max_loss 0.5): "
-                    "min_chars 12; keep them with filter.domains.poems.skip: [min_chars] "
-                    "(or a kind that fits the text, now prose), or accept the loss with "
-                    "filter.domains.poems.max_loss: 1.0")
+    assert line.startswith("filter: poems lost 12 of 12 documents (100%, above max_loss 0.5): "
+                           "min_chars 12 (the first rule failed; every rule they fail: ")
+    assert line.endswith("or accept the loss with filter.domains.poems.max_loss: 1.0")
+
+
+def _apply(cfg: FilterConfig, domain: str, option: str) -> FilterConfig:
+    """``cfg`` with one printed option (``filter.domains.D.kind: K`` or ``.skip: [..]``)."""
+    key, value = option.split(": ", 1)
+    override = dataclasses.replace(cfg.domains.get(domain) or DomainFilterConfig())
+    if key.endswith(".kind"):
+        override.kind = value.split(" ")[0]
+    else:
+        override.skip = [r.strip() for r in value[1:value.index("]")].split(",")]
+    return dataclasses.replace(cfg, domains={**cfg.domains, domain: override})
+
+
+@pytest.mark.parametrize("start", ["prose", "web"])
+def test_following_the_advice_once_passes_the_guard(tmp_path, start):
+    """Every option the guard prints (a kind, the smallest skip list) passes next time."""
+    write_ingested(tmp_path / "in")
+    cfg = FilterConfig(num_workers=1, kind=start)
+    failures: dict = {}
+    metrics = run_filter(cfg, tmp_path / "in", tmp_path / "out", failures=failures)
+    samples = domain_samples(tmp_path / "in", guarded_domains(cfg, metrics))
+    (line,) = loss_problems(cfg, metrics, failures, samples)
+    options = re.findall(r"filter\.domains\.poems\.(?:kind: \w+|skip: \[[^\]]*\])", line)
+    assert [o.split(":")[0].rsplit(".", 1)[1] for o in options] == ["kind", "skip"], line
+    assert "filter.domains.poems.kind: verse (keeps 100% of its 12 documents" in line
+    skip = options[1]
+    # min_chars alone (what the old message said) keeps nothing: every rule is judged.
+    assert "min_chars" in skip and skip != "filter.domains.poems.skip: [min_chars]"
+    for n, option in enumerate(options):
+        fixed = _apply(cfg, "poems", option)
+        again = run_filter(fixed, tmp_path / "in", tmp_path / f"again{n}")
+        assert loss_problems(fixed, again) == [], option
+
+
+def test_the_smallest_skip_list_is_exact():
+    failures = Counter({("a",): 5, ("a", "b"): 3, ("b", "c"): 4, ("c",): 1})
+    assert smallest_skip(failures, kept=2, need=7) == (["a"], 7)
+    assert smallest_skip(failures, kept=2, need=10) == (["a", "b"], 10)
+    assert smallest_skip(failures, kept=2, need=11) == (["a", "b", "c"], 15)  # no pair is enough
+    assert smallest_skip(failures, kept=2, need=15) == (["a", "b", "c"], 15)
+    assert smallest_skip(failures, kept=2, need=16) is None  # more than there are
 
 
 def test_the_override_and_the_right_kind_both_pass(tmp_path):

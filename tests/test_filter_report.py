@@ -36,9 +36,10 @@ def test_report_lists_rules_with_counts_and_examples(tmp_path):
     metrics = run_filter(cfg, tmp_path / "in", tmp_path / "out", examples)
     assert [e[0] for e in examples["en"]["min_chars"]] == ["d6", "d7", "d8"][:EXAMPLES]
     report = render(cfg, metrics, examples, loss_problems(cfg, metrics))
-    assert "| en | prose | 13 | 6 | 53.8% **over** | 0.5 |" in report
-    assert "| min_chars | 5 | min 200 |" in report
-    assert "| char_repeat | 2 | max 0.3 |" in report
+    assert "| en | prose | 13 | 6 | 53.8% **over** | 0.5 | en 62%, sk 38% |" in report  # "tiny"
+    assert "| min_chars | 5 | 5 | min 200 |" in report
+    assert "| char_repeat | 2 | 2 | max 0.3 |" in report
+    assert "| gopher_min_words | 0 | 5 | min 50 |" in report  # judged, though never first
     assert "- `min_chars` 4 (min 200) `d6`: tiny" in report
     assert "- filter: en lost 7 of 13 documents (54%, above max_loss 0.5)" in report
     assert report.count("- `min_chars`") == EXAMPLES
@@ -57,7 +58,7 @@ def test_cli_reports_a_sample_of_the_raw_sources(tmp_path, monkeypatch, capsys):
     cli_main(["filter", "report", "--sample", "20"])
     out = capsys.readouterr().out
     assert "| poems | prose | 20 | 0 | 100.0% **over** | 0.5 |" in out
-    assert "| min_chars | 20 | min 200 |" in out
+    assert "| min_chars | 20 | 20 | min 200 |" in out
     assert "filter.domains.poems.max_loss: 1.0" in out
     assert not Path("data").exists()  # nothing written
     (tmp_path / "params.yaml").write_text(

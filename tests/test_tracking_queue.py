@@ -19,7 +19,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_pipeline_e2e import DEMO, REPO, run, slice_demo, tiny_params
+from test_pipeline_e2e import (
+    DEMO,
+    INSTRUCTIONS,
+    PREFERENCES,
+    REPO,
+    run,
+    slice_demo,
+    slice_records,
+    tiny_params,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +57,8 @@ def env() -> dict[str, str]:
     return e
 
 
-PRETRAINING = ("ingest", "filter", "dedup", "mix", "tokenizer", "shards", "train", "evaluate")
+PRETRAINING = ("ingest", "filter", "dedup", "decontam", "mix", "tokenizer", "shards", "train",
+               "evaluate")
 
 
 def make_repo(root: Path, env: dict[str, str]) -> None:
@@ -64,6 +74,10 @@ def make_repo(root: Path, env: dict[str, str]) -> None:
         shutil.copytree(REPO / name, root / name,
                         ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     slice_demo(root / "data" / "raw" / "demo")
+    # The evaluation sets decontam checks the training text against.
+    shutil.copytree(REPO / "data" / "tasks", root / "data" / "tasks")
+    slice_records(INSTRUCTIONS, root / "data" / "instructions" / "demo", {"test": 60, "test_mc": 20})
+    slice_records(PREFERENCES, root / "data" / "preferences" / "demo", {"test": 40})
     (root / "params.yaml").write_text(yaml.safe_dump(queue_params(), sort_keys=False),
                                       encoding="utf-8")
     run(["git", "init", "-q"], root, env)

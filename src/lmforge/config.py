@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Literal, get_args, get_origin
 import yaml
 
 # Names only, no rule code: every stage loads params, and imports are its DVC deps.
-from lmforge.data.rule_names import PII_KINDS, RULE_NAMES, unknown_rules
+from lmforge.data.rule_names import LANGUAGE_CODES, PII_KINDS, RULE_NAMES, unknown_rules
 from lmforge.errors import ConfigError
 
 # --------------------------------------------------------------------------- sections
@@ -40,7 +40,9 @@ class SourceConfig:
 
     path: str
     domain: str
-    format: Literal["auto", "jsonl", "parquet", "txt"] = "auto"
+    # json: an array of records (or JSON lines); csv/tsv: a header row, text_field names
+    # the column.
+    format: Literal["auto", "jsonl", "json", "csv", "tsv", "parquet", "txt"] = "auto"
     text_field: str = "text"
     id_field: str | None = "id"
     # txt only: one document per file, or one per blank-line-separated block.
@@ -65,7 +67,7 @@ class IngestConfig:
 
 # Kinds of text a domain can declare; lmforge.data.kinds gives each its rules and
 # thresholds (tests/test_filter_kinds.py keeps the two lists equal).
-FilterKind = Literal["web", "prose", "verse", "reference", "math", "code"]
+FilterKind = Literal["web", "prose", "verse", "reference", "math", "code", "dialogue", "short"]
 
 
 @dataclass
@@ -132,9 +134,17 @@ class FilterConfig:
     fineweb_short_line_chars: int = 30
     fineweb_max_dup_line_char_ratio: float = 0.01
     fineweb_max_newline_word_ratio: float = 0.3
+    # --- code nobody wrote (the code kind; Codex's and StarCoder's file filters): the
+    # longest line and the mean line length of a file, in characters
+    code_max_line_length: int = 1000
+    code_max_mean_line_length: float = 100.0
     # --- personal data: off, redact (replace with <EMAIL> ...), or drop the document
     pii: Literal["off", "redact", "drop"] = "off"
     pii_kinds: list[str] = field(default_factory=lambda: ["email", "phone", "ip", "cn_id"])
+    # --- languages (lmforge.data.langid, fastText lid.176 codes: en, zh, ja ...): keep
+    # only documents in these (null = every language); counted under the reason
+    # 'language'. Every domain's language counts are in metrics/filter.json either way.
+    languages: list[str] | None = None
     domains: dict[str, DomainFilterConfig] = field(default_factory=dict)
     num_workers: int = 0
 
@@ -157,6 +167,12 @@ def _check_filter_settings(cfg: FilterConfig, where: str) -> None:
     if bad:
         raise ConfigError(f"{where}.pii_kinds: unknown kind(s) {', '.join(bad)} "
                           f"(known: {', '.join(PII_KINDS)})")
+    bad = sorted(set(cfg.languages or []) - LANGUAGE_CODES)
+    if bad:
+        raise ConfigError(f"{where}.languages: unknown code(s) {', '.join(bad)} (fastText lid.176 "
+                          "codes: en, zh, ja, ko, ru, fa, de, fr ...; und = no letters)")
+    if cfg.languages is not None and not cfg.languages:
+        raise ConfigError(f"{where}.languages: an empty list keeps nothing; null keeps every language")
     for f in dataclasses.fields(FilterConfig):
         value = getattr(cfg, f.name)
         if f.type in ("int", "float") and value < 0:
@@ -208,6 +224,31 @@ class DedupConfig:
                 f"dedup.bands * dedup.rows = {self.bands * self.rows} exceeds "
                 f"dedup.num_perm={self.num_perm}"
             )
+
+
+@dataclass
+class DecontamConfig:
+    """Evaluation items checked for n-gram overlap with the training text (the GPT-3 /
+    NeMo Curator 13-gram method; lmforge.data.decontam). The sets checked: the harness
+    task folder, the SFT test splits and the preference test pairs named in params,
+    and ``extra`` files or folders (a user's own lm-eval tasks)."""
+
+    ngram: int = 13
+    # Items of min_ngram..ngram-1 words are one n-gram; shorter ones are too short to tell.
+    min_ngram: int = 8
+    # An n-gram found in more than this many training documents is common, not counted.
+    max_matches: int = 10
+    # true: drop the training documents that hold an evaluation n-gram (counted).
+    remove: bool = False
+    extra: list[str] = field(default_factory=list)
+    num_workers: int = 0
+
+    def validate(self) -> None:
+        _positive(self, "ngram", "min_ngram", "max_matches")
+        _non_negative(self, "num_workers")
+        if self.min_ngram > self.ngram:
+            raise ConfigError(f"decontam.min_ngram: {self.min_ngram} must be <= "
+                              f"decontam.ngram={self.ngram}")
 
 
 @dataclass
@@ -739,6 +780,7 @@ class Params:
     ingest: IngestConfig = field(default_factory=IngestConfig)
     filter: FilterConfig = field(default_factory=FilterConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
+    decontam: DecontamConfig = field(default_factory=DecontamConfig)
     mix: MixConfig = field(default_factory=MixConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     shards: ShardsConfig = field(default_factory=ShardsConfig)

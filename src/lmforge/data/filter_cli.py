@@ -11,9 +11,9 @@ from typing import Any
 import pyarrow as pa
 
 from lmforge.config import IngestConfig, load_params
-from lmforge.data import readers
+from lmforge.data import formats, readers
 from lmforge.data.filter_report import render
-from lmforge.data.filtering import domain_metrics, judge_table, loss_problems
+from lmforge.data.filtering import domain_metrics, guarded_domains, judge_table, loss_problems
 from lmforge.data.ingest import id_and_source, resolve_files
 
 
@@ -25,7 +25,7 @@ def sample_table(cfg: IngestConfig, per_domain: int) -> pa.Table:
         src = cfg.sources[i]
         if taken.get(src.domain, 0) >= per_domain:
             continue
-        for rec in readers.iter_records(path, src.format, src.text_field, src.id_field,
+        for rec in formats.iter_records(path, src.format, src.text_field, src.id_field,
                                         src.txt_split, cfg.max_record_bytes):
             if not isinstance(rec, readers.Doc):
                 continue
@@ -44,9 +44,15 @@ def filter_report(params_path: str, per_domain: int) -> str:
     """The markdown report for a sample of every domain."""
     params = load_params(params_path)
     table = sample_table(params.ingest, per_domain)
-    *_, counts, redacted, examples = judge_table(table, params.filter)
-    metrics = domain_metrics(params.filter, counts, redacted)
-    return render(params.filter, metrics, examples, loss_problems(params.filter, metrics),
+    failures: dict = {}
+    languages: dict = {}
+    *_, counts, redacted, examples = judge_table(table, params.filter, failures, languages)
+    metrics = domain_metrics(params.filter, counts, redacted, failures, languages)
+    samples = {d: [t for t, dd in zip(table.column("text").to_pylist(),
+                                      table.column("domain").to_pylist(), strict=True) if dd == d]
+               for d in guarded_domains(params.filter, metrics)}
+    problems = loss_problems(params.filter, metrics, failures, samples)
+    return render(params.filter, metrics, examples, problems,
                   title=f"Filter report (sample: the first {per_domain:,} documents per domain)")
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmforge.config import FilterConfig
-from lmforge.data import kinds, rules_basic, rules_c4, rules_fineweb, rules_gopher  # noqa: F401 (register)
+from lmforge.data import kinds, rules_basic, rules_c4, rules_code, rules_fineweb, rules_gopher  # noqa: F401 (register)
 from lmforge.data.rule_names import unknown_rules
 from lmforge.data.rulebook import RULES, Rule, groups
 from lmforge.data.textview import TextView
@@ -54,6 +54,17 @@ class DomainRules:
             if r.fails(value, self.settings[r.threshold] if r.threshold else None):
                 return r.name, float(value)
         return None
+
+    def failures(self, text: str) -> tuple[str, ...]:
+        """The names of every rule that rejects ``text``, in run order (the loss guard's
+        advice needs them all, not only the first)."""
+        view = TextView(text)
+        out = []
+        for r in self.rules:
+            value = r.measure(view, self.settings)
+            if r.fails(value, self.settings[r.threshold] if r.threshold else None):
+                out.append(r.name)
+        return tuple(out)
 
 
 _DEFAULTS = FilterConfig()

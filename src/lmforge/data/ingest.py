@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from lmforge.config import IngestConfig, SourceConfig
-from lmforge.data import readers
+from lmforge.data import formats, readers
 from lmforge.data.counts import Counts
 from lmforge.data.readers import Doc
 from lmforge.data.records import COMPRESSION, SCHEMA, PartWriter, iter_batches, write_table
@@ -68,7 +68,7 @@ def resolve_files(sources: list[SourceConfig]) -> list[tuple[int, str]]:
             raise InputError(f"ingest.sources[{i}].path: no file matches '{src.path}'")
         for path in matched:
             fmt = readers.detect_format(path) if src.format == "auto" else src.format
-            if fmt == "jsonl" and path.lower().endswith(".zst") and not readers.zstd_available():
+            if path.lower().endswith(".zst") and fmt != "parquet" and not readers.zstd_available():
                 raise InputError(
                     f"ingest.sources[{i}].path: {path}: reading .zst needs the 'zstandard' "
                     "package (pip install zstandard)"
@@ -86,7 +86,7 @@ def id_and_source(rec: readers.Doc, path: str) -> tuple[str, str]:
 def ingest_file(task: FileTask) -> FileResult:
     """Read one raw file into a temporary Parquet file; collect its rejects (worker)."""
     src = task.source
-    records = readers.iter_records(task.path, src.format, src.text_field, src.id_field,
+    records = formats.iter_records(task.path, src.format, src.text_field, src.id_field,
                                    src.txt_split, task.max_record_bytes)
     rejects: list[tuple[str, int, str, str, str]] = []
     rows: dict[str, list[Any]] = {name: [] for name in SCHEMA.names}

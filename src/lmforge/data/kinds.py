@@ -44,8 +44,26 @@ KIND_RULES: dict[str, tuple[str, ...]] = {
     "math": (*_BASIC, "gopher_min_words", "gopher_max_words", "gopher_bullet_lines",
              "gopher_ellipsis_lines", "gopher_stop_words"),
     # Source code: only the rules that judge any text (length, one dominant character,
-    # control characters).
-    "code": ("min_chars", "char_repeat", "control_chars"),
+    # control characters), and the ones that find code nobody wrote (a generated-file
+    # header, lock files, minified or data-only files with very long lines).
+    "code": ("min_chars", "char_repeat", "control_chars", *RULE_GROUPS["code_generated"]),
+    # Chat transcripts, support tickets, forum threads: turns are short, speaker labels
+    # repeat (no top-n-gram or duplicate-line rules), a question may have no stop word,
+    # '...' ends many a turn, and FineWeb's and C4's line rules judge web lines. Spam
+    # and pasted junk are still caught: word lengths, symbols, letters, ads, and the
+    # duplicated 5-10-grams of copied blocks.
+    "dialogue": (*_without(_BASIC, "hash_line_ratio"),
+                 *_without(_QUALITY, "gopher_stop_words", "gopher_ellipsis_lines",
+                           "gopher_bullet_lines"),
+                 *(f"gopher_dup_{n}gram" for n in range(5, 11))),
+    # Reviews, titles, messages: a document may be one sentence or a title, so every
+    # rule about lines, paragraphs, n-grams or stop words measures noise; '#' starts a
+    # hashtag (the symbol ratio counts it) and a trailing '...' is a trailing thought.
+    # Length, one dominant character, control characters, ads, word lengths and
+    # letters remain.
+    "short": (*_without(_BASIC, "hash_line_ratio"),
+              *_without(_QUALITY, "gopher_stop_words", "gopher_ellipsis_lines",
+                        "gopher_bullet_lines", "gopher_symbol_ratio")),
 }
 KINDS: tuple[str, ...] = tuple(KIND_RULES)
 
@@ -68,4 +86,14 @@ KIND_SETTINGS: dict[str, dict[str, Any]] = {
     # A problem statement may be one sentence.
     "math": {"gopher_min_words": 20},
     "code": {},
+    # The notes' first pass drops fragments under 20 characters; a short exchange
+    # ("User: Where is my order?" / "Bot: It shipped today.") is a few words. Emoticons,
+    # '?!' and order numbers are no-letter tokens: a turn of six words with one is 0.83.
+    "dialogue": {"min_chars": 20, "gopher_min_words": 5, "gopher_min_alpha_words_ratio": 0.6,
+                 "gopher_max_symbol_word_ratio": 0.2, **_LOOSE_NGRAMS},
+    # A title ("Stormy weather") is two words; ':)', '5/5' and prices are a larger share
+    # of a short text; 好评！ (3 characters) and "wow!" are left out by min_chars 10; one
+    # character may be a third of a short review (好好好, "!!!").
+    "short": {"min_chars": 10, "gopher_min_words": 2, "gopher_min_alpha_words_ratio": 0.6,
+              "max_char_repeat_ratio": 0.4},
 }

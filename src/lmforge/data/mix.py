@@ -215,6 +215,18 @@ def read_clusters(path: Path, ids: list[str]) -> list[str]:
     return [cluster_of.get(i, i) for i in ids]
 
 
+def val_ids(cfg: MixConfig, in_dir: str | Path, executor: Executor | None = None) -> set[str]:
+    """The ids run_mix holds out for val from ``in_dir`` (the same plan; nothing written):
+    what is not training text, for the decontamination check."""
+    in_dir = Path(in_dir)
+    executor = executor or LocalExecutor(cfg.num_workers)
+    sizes = list(executor.map(measure_part, [(str(p), cfg.unit) for p in list_parts(in_dir)],
+                              "mix: measure"))
+    plan = plan_mix(cfg, in_dir, sizes)
+    ids = [i for s in sizes for i in s.ids]
+    return {ids[k] for k in np.flatnonzero(plan.is_val)}
+
+
 def run_mix(cfg: MixConfig, in_dir: str | Path, out_dir: str | Path,
             executor: Executor | None = None) -> dict[str, Any]:
     """Split, re-weight and shuffle ``in_dir`` into ``out_dir``/{train,val}; return metrics.
@@ -297,7 +309,10 @@ def plan_mix(cfg: MixConfig, in_dir: Path, sizes: list[PartSizes]) -> MixPlan:
     for d, idx in by_domain.items():
         train = idx[~is_val[idx]]
         copies[train] = sample_copies(units[train], targets[d], domain_rng(cfg.seed, d, "sample"))
-    shortfalls = shortfall_of(by_domain, is_val, copies, units, cfg)
+    shortfalls = shortfall_of(by_domain, is_val, copies, units, cfg, targets)
+    for d, short in shortfalls.items():
+        if short["shortfall"] > REPORT_SHORTFALL:  # said in the metrics and the stage output
+            short["why"] = shortfall_reason(d, short, cfg, shortfalls)
     too_short = {d: s for d, s in shortfalls.items() if s["shortfall"] > cfg.max_shortfall}
     if too_short:
         raise InputError("\nerror: ".join(shortfall_line(d, s, cfg) + (
@@ -329,9 +344,12 @@ def check_weighted_domains(cfg: MixConfig, present: set[str], where: str | Path)
 
 
 def shortfall_of(by_domain: dict[str, np.ndarray], is_val: np.ndarray, copies: np.ndarray,
-                 units: np.ndarray, cfg: MixConfig) -> dict[str, dict[str, float]]:
+                 units: np.ndarray, cfg: MixConfig,
+                 targets: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
     """Per domain: the share of the train split asked (weights) and got, the relative
-    shortfall, and the epochs used (a domain capped at max_epochs falls short)."""
+    shortfall, the epochs used (a domain capped at max_epochs falls short), and the
+    units it was to take (``target``) and took (``taken``): a domain that took all it
+    was to take falls short only because others took more than theirs."""
     train_units = {d: float((units[idx] * copies[idx] * ~is_val[idx]).sum())
                    for d, idx in by_domain.items()}
     unique = {d: float(units[idx[~is_val[idx]]].sum()) for d, idx in by_domain.items()}
@@ -344,15 +362,35 @@ def shortfall_of(by_domain: dict[str, np.ndarray], is_val: np.ndarray, copies: n
         out[d] = {"asked": round(asked, 6), "got": round(got, 6),
                   "shortfall": round(max(0.0, 1 - got / asked), 4) if asked else 0.0,
                   "epochs": round(train_units[d] / unique[d], 4) if unique[d] else 0.0}
+        if targets is not None:
+            out[d].update(target=round(targets.get(d, 0.0)), taken=round(train_units[d]))
     return out
 
 
-def shortfall_line(domain: str, s: dict[str, float], cfg: MixConfig) -> str:
-    """``mix: d: asked 15.0% of the train split, got 11.2% (25% short; 2.0 epochs, ...)``."""
-    why = (f"it is at mix.max_epochs {cfg.max_epochs:g}" if s["epochs"] >= cfg.max_epochs - 1e-6
-           else "its documents are too few and too long to sample finely")
+def shortfall_line(domain: str, s: dict[str, Any], cfg: MixConfig) -> str:
+    """``mix: d: asked 15.0% of the train split, got 11.2% (25% short; 2.0 epochs, why)``."""
+    why = s.get("why") or shortfall_reason(domain, s, cfg, {})
     return (f"mix: {domain}: asked {s['asked']:.1%} of the train split, got {s['got']:.1%} "
             f"({s['shortfall']:.0%} short; {s['epochs']:g} epochs, {why})")
+
+
+def shortfall_reason(domain: str, s: dict[str, float], cfg: MixConfig,
+                     others: dict[str, dict[str, float]]) -> str:
+    """Why a domain fell short: its epoch cap, its own coarse documents, or the others
+    taking more than their shares (then the split grew around it)."""
+    unit = cfg.unit
+    if s["epochs"] >= cfg.max_epochs - 1e-6:
+        return f"it is at mix.max_epochs {cfg.max_epochs:g}"
+    target, taken = s.get("target"), s.get("taken")
+    if target is None or taken < target * (1 - REPORT_SHORTFALL):
+        got = f": it took {taken:,} of the {target:,} {unit} asked" if target else ""
+        return f"its documents are too few and too long to sample finely{got}"
+    over = sorted(((d, o) for d, o in others.items() if d != domain
+                   and o["got"] > o["asked"] * (1 + REPORT_SHORTFALL)),
+                  key=lambda kv: kv[1]["asked"] - kv[1]["got"])
+    grew = ", ".join(f"{d} took {o['got']:.1%} for {o['asked']:.1%} asked" for d, o in over)
+    return (f"it took all {taken:,} {unit} asked, but the train split grew around it"
+            + (f" ({grew}: a domain of few long documents overshoots its share)" if grew else ""))
 
 
 def _metrics(by_domain: dict[str, np.ndarray], is_val: np.ndarray, copies: np.ndarray,

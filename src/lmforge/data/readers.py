@@ -1,4 +1,5 @@
-"""Readers for raw inputs: JSON lines (plain, .gz, .zst), Parquet and plain text.
+"""Readers for raw inputs: JSON lines (plain, .gz, .zst), Parquet and plain text; CSV and
+TSV tables (``readers_csv``) and JSON arrays (``readers_json``) have modules of their own.
 
 Each reader yields, in file order, a ``Doc`` for every good record and a ``Reject``
 (position, reason, detail) for every bad one, so a broken record is counted and
@@ -41,8 +42,9 @@ EMPTY_FILE = "empty_file"
 
 _COMPRESSIONS = (".gz", ".zst")
 _BOM = b"\xef\xbb\xbf"  # U+FEFF in UTF-8
-_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
-            ".txt": "txt", ".text": "txt", ".md": "txt"}
+_FORMATS = {".jsonl": "jsonl", ".json": "json", ".ndjson": "jsonl", ".parquet": "parquet",
+            ".txt": "txt", ".text": "txt", ".md": "txt", ".csv": "csv", ".tsv": "tsv"}
+FORMAT_NAMES = "jsonl, json, csv, tsv, parquet or txt"
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,8 @@ class Reject:
 
 
 def detect_format(path: str | Path) -> str:
-    """``jsonl``, ``parquet`` or ``txt`` from the file name (compression suffix ignored)."""
+    """``jsonl``, ``json``, ``csv``, ``tsv``, ``parquet`` or ``txt`` from the file name
+    (compression suffix ignored)."""
     name = Path(path).name.lower()
     for comp in _COMPRESSIONS:
         if name.endswith(comp):
@@ -70,7 +73,7 @@ def detect_format(path: str | Path) -> str:
     if suffix not in _FORMATS:
         raise InputError(
             f"{path}: cannot tell the format from '{suffix or name}'; set the source's "
-            f"format to jsonl, parquet or txt"
+            f"format to {FORMAT_NAMES}"
         )
     return _FORMATS[suffix]
 
@@ -307,17 +310,3 @@ def _decode_block(pos: int, data: bytes, max_bytes: int) -> Doc | Reject:
     except UnicodeDecodeError as e:
         return Reject(pos, INVALID_UTF8, f"{e.reason} at byte {e.start}")
     return _doc_or_reject(pos, text, None, None, max_bytes)
-
-
-def iter_records(path: str | Path, fmt: str, text_field: str, id_field: str | None,
-                 txt_split: str, max_bytes: int) -> Iterator[Doc | Reject]:
-    """Dispatch to the reader for ``fmt`` (``auto`` = from the file name)."""
-    if fmt == "auto":
-        fmt = detect_format(path)
-    if fmt == "jsonl":
-        return iter_jsonl(path, text_field, id_field, max_bytes)
-    if fmt == "parquet":
-        return iter_parquet(path, text_field, id_field, max_bytes)
-    if fmt == "txt":
-        return iter_txt(path, txt_split, max_bytes)
-    raise InputError(f"{path}: unknown format '{fmt}' (use auto, jsonl, parquet or txt)")

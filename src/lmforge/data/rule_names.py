@@ -27,6 +27,8 @@ RULE_GROUPS: dict[str, tuple[str, ...]] = {
            "c4_min_sentences"),
     "fineweb": ("fineweb_line_punct", "fineweb_short_lines", "fineweb_dup_line_chars",
                 "fineweb_list_ratio"),
+    "code_generated": ("code_generated_header", "code_lock_file", "code_max_line_length",
+                       "code_mean_line_length"),
 }
 # Rule name -> its group.
 RULE_GROUP: dict[str, str] = {r: g for g, rules in RULE_GROUPS.items() for r in rules}
@@ -39,3 +41,16 @@ PII_KINDS: tuple[str, ...] = ("email", "phone", "ip", "cn_id")
 def unknown_rules(names: list[str]) -> list[str]:
     """The names in ``names`` that are neither rules nor groups of rules."""
     return [n for n in names if n not in RULE_NAMES and n not in RULE_GROUPS]
+
+# Language codes ``filter.languages`` may name: the 176 labels of fastText's lid.176
+# model (ISO 639-1 where there is one, else 639-3 or a Wikipedia code), which
+# lmforge.data.langid predicts; ``und`` is a text it cannot tell (no letters).
+_LID176 = (
+    "af als am an ar arz as ast av az azb ba bar bcl be bg bh bn bo bpy br bs bxr ca cbk "
+    "ce ceb ckb co cs cv cy da de diq dsb dty dv el eml en eo es et eu fa fi fr frr fy ga "
+    "gd gl gn gom gu gv he hi hif hr hsb ht hu hy ia id ie ilo io is it ja jbo jv ka kk km "
+    "kn ko krc ku kv kw ky la lb lez li lmo lo lrc lt lv mai mg mhr min mk ml mn mr mrj ms "
+    "mt mwl my myv mzn nah nap nds ne new nl nn no oc or os pa pam pfl pl pms pnb ps pt qu "
+    "rm ro ru rue sa sah sc scn sco sd sh si sk sl so sq sr su sv sw ta te tg th tk tl tr "
+    "tt tyv ug uk ur uz vec vep vi vls vo wa war wuu xal xmf yi yo yue zh und")
+LANGUAGE_CODES: frozenset[str] = frozenset(_LID176.split())

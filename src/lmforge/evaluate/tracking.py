@@ -30,7 +30,7 @@ from lmforge.tracking import (
     ui_path,
 )
 
-DATA_METRICS = ("ingest", "filter", "dedup", "mix", "tokenizer", "shards")
+DATA_METRICS = ("ingest", "filter", "dedup", "decontam", "mix", "tokenizer", "shards")
 # Bookkeeping, not results: a chart each would only push the figures down. They stay in
 # the eval/eval.json artifact.
 NOT_METRICS = frozenset({"seconds", "tokens", "docs"})
@@ -146,6 +146,19 @@ def log_data_counts(run: Run, metrics_dir: Path) -> None:
     table = data_counts(metrics_dir)
     if table["stage"]:
         run.log_table(table, "data/kept.json")
-    report = metrics_dir / "filter_report.md"  # why each document was rejected
-    if report.is_file():
-        run.log_text(report.read_text(encoding="utf-8"), "data/filter_report.md")
+    for name in ("filter_report.md", "decontam_report.md"):  # why rejected; what overlaps
+        report = metrics_dir / name
+        if report.is_file():
+            run.log_text(report.read_text(encoding="utf-8"), f"data/{name}")
+    figures = decontam_metrics(metrics_dir)
+    if figures:
+        run.log_metrics(figures, step=0)
+
+
+def decontam_metrics(metrics_dir: Path) -> dict[str, float]:
+    """``decontam/<set>`` = the share of a set's checked items found in the training text."""
+    path = metrics_dir / "decontam.json"
+    sets = json.loads(path.read_text(encoding="utf-8")).get("sets") if path.is_file() else None
+    return {f"decontam/{name}": float(s["contaminated_share"])
+            for name, s in sorted((sets or {}).items()) if isinstance(s, dict)
+            and _number(s.get("contaminated_share"))}
