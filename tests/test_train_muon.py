@@ -20,9 +20,13 @@ from test_train_loop import inputs, run, stage_repo, start_ranks, tiny_params, w
 from lmforge.config import ModelConfig, TrainConfig
 from lmforge.errors import ConfigError
 from lmforge.model import Llama
+from lmforge.model import llama as llama_module
 from lmforge.model.lora import apply_lora
+from lmforge.shards import ShardSet, WindowLoader
 from lmforge.train import checkpoint as ckpt
 from lmforge.train import runs
+from lmforge.train.distributed import DistEnv
+from lmforge.train.loop import _optimizer_step
 from lmforge.train.optim import (
     CompositeOptimizer,
     build_optimizer,
@@ -30,6 +34,7 @@ from lmforge.train.optim import (
     set_learning_rates,
 )
 from lmforge.train.pipeline import TrainPaths
+from lmforge.train.precision import resolve_precision
 from lmforge.train.schedule import lr_at
 
 __all__ = ["inputs"]  # the module fixture, shared with test_train_loop
@@ -277,3 +282,27 @@ def test_zero_init_projections_make_every_block_the_identity_at_start():
         direct = model.lm_head(model.norm(model.tok_embeddings(ids)))
         assert torch.allclose(model.eval()(ids), direct, atol=1e-6)
 
+
+
+def test_a_non_finite_step_leaves_muon_and_adamw_untouched(inputs, tmp_path, monkeypatch):
+    """The guard skips the composite's step: no weight and no momentum buffer moves."""
+
+    original = llama_module.linear_cross_entropy
+    params = tiny_params(optimizer="muon")
+    model = Llama(params.model, 300)
+    opt = build_optimizer(model, params.train, CPU)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=CPU)
+    precision = resolve_precision("fp32", CPU)
+    loader = WindowLoader(ShardSet(inputs.train_shards), 32, 4, seed=0)
+    step = (model, None, model, opt, precision.grad_scaler(), precision, loader, 1, 1.0, env)
+    _optimizer_step(*step)  # one good step: momentum buffers exist
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    bufs = {id(p): s["momentum_buffer"].clone() for p, s in opt.parts["muon"].state.items()}
+    monkeypatch.setattr(llama_module, "linear_cross_entropy",
+                        lambda *a, **k: original(*a, **k) * float("nan"))
+    loss, _, _ = _optimizer_step(*step)
+    assert math.isnan(loss)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, weights[k]), k
+    for p, s in opt.parts["muon"].state.items():
+        assert torch.equal(s["momentum_buffer"], bufs[id(p)])
