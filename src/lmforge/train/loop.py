@@ -239,14 +239,14 @@ def open_loader(data: TrainData, seq_len: int, batch_size: int, seed: int, env: 
 
     ``stratified``: every batch's domain shares follow the mixture (each set's own, with
     replay: its rows are drawn one at a time in stratified order)."""
-    doc_info = {"return_doc_info": True} if doc_mask else {}
+    options = {"return_doc_info": True} if doc_mask else {}
     if stratified:
-        doc_info["stratified"] = True
+        options["stratified"] = True
     if data.replay is None or data.replay_share == 0:
         return data.make_loader(data.train, seq_len, batch_size, seed, rank=env.rank,
-                                world_size=env.world_size, **doc_info)
+                                world_size=env.world_size, **options)
     rows = [data.make_loader(shards, seq_len, 1, seed + i, rank=env.rank,
-                             world_size=env.world_size, **doc_info)
+                             world_size=env.world_size, **options)
             for i, shards in enumerate((data.train, data.replay))]
     return ReplayLoader(*rows, data.replay_share, batch_size)
 
