@@ -19,7 +19,9 @@ Two comparisons (``--modes``):
 Each run goes through the real loop (``lmforge.train.loop.train``: compile as
 ``train.compile`` says, checkpoints, the non-finite guard) and is scored by the evaluate
 stage's own code (``lmforge.evaluate.scoring``): val bits/byte weighted by the training
-mixture with its bootstrap stderr, per domain, plus the median tokens/s of the run. The
+mixture with its bootstrap stderr, per domain (on the evaluate stage's windows:
+``evaluate.max_batches`` batches; ``--set evaluate.max_batches=0`` scores the whole val
+split), plus the median tokens/s of the run. The
 baseline runs in the same invocation; ratios are against it. Runs alternate order by
 seed (``--seeds``), so slow drift of a shared machine hits all variants alike; still,
 wall-time figures want a quiet machine (say what else ran).
@@ -115,10 +117,12 @@ def apply_sets(params: Params, sets: list[str]) -> Params:
     return params
 
 
-def score(model: torch.nn.Module, data: TrainData, seq_len: int, device: str) -> dict:
-    """Val bits/byte (mixture-weighted, with stderr) and per domain, as evaluate does."""
-    figures = score_split(model, data.val, seq_len, 16, device=device).as_dict(
-        data.train.domain_shares())
+def score(model: torch.nn.Module, data: TrainData, params: Params, device: str) -> dict:
+    """Val bits/byte (mixture-weighted, with stderr) and per domain, as the evaluate stage
+    computes them (its ``evaluate.max_batches`` x ``batch_size`` windows; 0 = all)."""
+    cfg = params.evaluate
+    figures = score_split(model, data.val, params.model.seq_len, cfg.batch_size,
+                          cfg.max_batches, device=device).as_dict(data.train.domain_shares())
     mix = figures["mix_weighted"]
     return {"bpb": mix["bits_per_byte"], "bpb_stderr": mix["bits_per_byte_stderr"],
             "loss": mix["loss"],
@@ -138,7 +142,7 @@ def run_variant(params: Params, data: TrainData, root: Path, env: DistEnv) -> di
     result = train(params, data, root, data.train.tokenizer_sha256, env, track=False, log=log)
     seconds = time.perf_counter() - t0
     curve.append((seconds, result.metrics["steps"], result.metrics["val_loss"]))
-    out = score(result.model, data, params.model.seq_len, str(env.device))
+    out = score(result.model, data, params, str(env.device))
     out.update(steps=result.metrics["steps"], tokens=result.metrics["tokens"],
                tokens_per_sec=result.metrics["tokens_per_sec"], seconds=round(seconds, 2),
                params=result.metrics["params"], curve=curve)
@@ -241,7 +245,7 @@ def side_by_side(args: argparse.Namespace, params: Params, ours: dict, data: Tra
     ckpt, process_seconds, seconds = run_nanogpt(checkout, Path(args.shards), params, work,
                                                  args.nanogpt_compile, args.threads)
     model = load_nanogpt_model(checkout, ckpt)
-    theirs = score(model, data, params.model.seq_len, "cpu")
+    theirs = score(model, data, params, "cpu")
     theirs["seconds"] = round(seconds, 2)  # its training loop, compile included
     theirs["process_seconds"] = round(process_seconds, 2)
     theirs["params"] = sum(p.numel() for p in model.parameters())
