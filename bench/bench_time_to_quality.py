@@ -129,12 +129,16 @@ def score(model: torch.nn.Module, data: TrainData, params: Params, device: str) 
             "domains": {d: f["bits_per_byte"] for d, f in figures["domains"].items()}}
 
 
-def run_variant(params: Params, data: TrainData, root: Path, env: DistEnv) -> dict:
-    """Train one variant from scratch; its scores, speed and val curve over wall time."""
+def run_variant(params: Params, data: TrainData, root: Path, env: DistEnv,
+                verbose: bool = False) -> dict:
+    """Train one variant from scratch; its scores, speed and val curve over wall time
+    (``verbose``: the loop's own log lines too)."""
     curve: list[tuple[float, int, float]] = []
     t0 = time.perf_counter()
 
     def log(line: str) -> None:  # "train: step N: val_loss X" -> (seconds, step, loss)
+        if verbose:
+            print(line, flush=True)
         m = re.match(r"train: step (\d+): val_loss ([0-9.]+)", line)
         if m:
             curve.append((time.perf_counter() - t0, int(m.group(1)), float(m.group(2))))
@@ -280,6 +284,7 @@ def main() -> None:
                     help="a nanoGPT checkout: run its train.py side by side")
     ap.add_argument("--nanogpt-compile", action="store_true")
     ap.add_argument("--out", default="", help="write every figure as JSON here")
+    ap.add_argument("--verbose", action="store_true", help="print the loop's log lines")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -317,7 +322,8 @@ def main() -> None:
                     p = variant_params(base, name, chosen, n,
                                        curve_every if mode == "tokens" else 0, args.shape)
                     p = dataclasses.replace(p, train=dataclasses.replace(p.train, seed=seed))
-                    results["runs"][key] = run_variant(p, data, Path(tmp) / key, env)
+                    results["runs"][key] = run_variant(p, data, Path(tmp) / key, env,
+                                                       args.verbose)
                     report(key, results["runs"][key], results["runs"].get(
                         f"baseline/{mode}/seed{seed}"))
         if args.nanogpt:
