@@ -361,8 +361,8 @@ def stage_repo(root: Path) -> Path:
 
 def start_stage(root: Path) -> subprocess.Popen:
     # One MLflow store for all runs of the test: its schema is created once.
-    env = dict(os.environ, PYTHONPATH=str(REPO), DVC_ROOT=str(root),
-               MLFLOW_TRACKING_URI=f"sqlite:///{root.parent / 'mlflow.db'}")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)]),
+               DVC_ROOT=str(root), MLFLOW_TRACKING_URI=f"sqlite:///{root.parent / 'mlflow.db'}")
     return subprocess.Popen([sys.executable, "runner.py"], cwd=root, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -456,7 +456,9 @@ def start_ranks(root: Path, argv: list[str], mlflow_db: Path) -> list[subprocess
         port = sock.getsockname()[1]
     procs = []
     for rank in range(2):
-        env = dict(os.environ, PYTHONPATH=str(REPO), DVC_ROOT=str(root), RANK=str(rank),
+        # This checkout's src first: the venv's editable install may be another checkout's.
+        path = os.pathsep.join([str(REPO / "src"), str(REPO)])
+        env = dict(os.environ, PYTHONPATH=path, DVC_ROOT=str(root), RANK=str(rank),
                    LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    MLFLOW_TRACKING_URI=f"sqlite:///{mlflow_db}")

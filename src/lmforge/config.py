@@ -411,6 +411,10 @@ class ModelConfig:
     qk_norm: bool = False
     # Llama 3.1 RoPE scaling; null = plain RoPE.
     rope_scaling: RopeScalingConfig | None = None
+    # Attention and MLP output projections (wo, w2) start at zero, so each block starts
+    # as the identity on the residual stream (the modded-nanogpt speedrun's init). An
+    # init only: the model exports as before.
+    zero_init_proj: bool = False
 
     def head_size(self) -> int:
         """Width of one attention head (``head_dim``, or n_embd / n_head)."""
@@ -516,10 +520,25 @@ class TrainConfig:
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = all cores
     # Train LoRA adapters on a frozen model instead of every weight (null = all weights).
     lora: LoraConfig | None = None
+    # adamw, or muon: torch.optim.Muon on the blocks' 2-D weights (attention and MLP
+    # matrices), AdamW (max_lr, betas, weight_decay above) on the rest (lmforge.train.optim).
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    # Muon's peak learning rate, following the same schedule as max_lr.
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95  # Nesterov momentum
+    # Decoupled: each step multiplies the weights by 1 - lr * muon_weight_decay.
+    muon_weight_decay: float = 0.0
+    # original: lr * sqrt(max(1, rows/cols)) (Keller Jordan's); match_rms_adamw:
+    # lr * 0.2 * sqrt(max(rows, cols)) (Moonshot's; then muon_lr is an AdamW-sized rate).
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = "original"
+    # shuffled: windows in a seeded permutation (the mixture holds over the run); stratified:
+    # every batch's domain shares follow the mixture too (lmforge.shards.loader).
+    batch_sampling: Literal["shuffled", "stratified"] = "shuffled"
 
     def validate(self) -> None:
         if self.lora is not None:
             self.lora.validate()
+        self._check_optimizer()
         _positive(self, "max_steps", "micro_batch_size", "grad_accum_steps", "log_every",
                   "eval_batches", "ckpt_every", "keep_last", "nproc", "max_bad_steps")
         _non_negative(self, "eval_every", "sample_every", "light_every", "num_threads",
@@ -538,6 +557,20 @@ class TrainConfig:
             raise ConfigError(f"{section_name(self)}.probe_micro_batch: not with strategy fsdp "
                               "(every rank would probe alone); `lmforge plan` gives the "
                               "micro-batch that fits")
+
+    def _check_optimizer(self) -> None:
+        """Muon's own knobs, and the one strategy it does not support."""
+        section = section_name(self)
+        if not 0 < self.muon_lr < 1 or not 0 <= self.muon_momentum < 1:
+            raise ConfigError(f"{section}.muon_lr must be in (0, 1) and {section}.muon_momentum "
+                              "in [0, 1)")
+        _non_negative(self, "muon_weight_decay")
+        if self.optimizer == "muon" and self.strategy == "fsdp":
+            # Newton-Schulz needs the whole matrix; on a row shard it would orthogonalise
+            # each rank's rows alone: a silently different update.
+            raise ConfigError(f"{section}.optimizer: muon is not supported with "
+                              f"{section}.strategy: fsdp (Newton-Schulz needs whole "
+                              "matrices); use strategy ddp or optimizer adamw")
 
     def _check_warmup(self) -> None:
         """The warmup must leave the decay at least one step (a run of one step has none
@@ -681,6 +714,9 @@ class DpoConfig(TrainConfig):
             raise ConfigError("dpo.init_from: name the model to start from (e.g. models/sft)")
         if not self.beta > 0:
             raise ConfigError(f"dpo.beta: {self.beta} must be > 0")
+        if self.batch_sampling != "shuffled":
+            raise ConfigError("dpo.batch_sampling: only shuffled (preference pairs have "
+                              "no domains to stratify)")
         if not self.nll_weight >= 0:
             raise ConfigError(f"dpo.nll_weight: {self.nll_weight} must be >= 0")
 

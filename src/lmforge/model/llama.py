@@ -267,9 +267,9 @@ class Block(nn.Module):
 
 
 @torch.no_grad()
-def init_parameter(name: str, p: torch.Tensor, n_layer: int) -> None:
+def init_parameter(name: str, p: torch.Tensor, n_layer: int, zero_proj: bool = False) -> None:
     """N(0, 0.02), norms at 1, biases at 0, residual output projections at
-    0.02/sqrt(2 n_layer).
+    0.02/sqrt(2 n_layer), or at 0 with ``zero_proj`` (``model.zero_init_proj``).
 
     One parameter at a time, so a sharded model can be initialised tensor by tensor
     with the same values (lmforge.train.fsdp.build_sharded)."""
@@ -279,6 +279,9 @@ def init_parameter(name: str, p: torch.Tensor, n_layer: int) -> None:
     elif name.endswith(".bias"):
         nn.init.zeros_(p)
     elif name.endswith(("attn.wo.weight", "mlp.w2.weight")):
+        if zero_proj:  # each block starts as the identity on the residual stream
+            nn.init.zeros_(p)
+            return
         nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * n_layer))
     else:
         nn.init.normal_(p, mean=0.0, std=std)
@@ -315,7 +318,7 @@ class Llama(nn.Module):
     def reset_parameters(self) -> None:
         """Every parameter initialised by :func:`init_parameter`, in order."""
         for name, p in self.named_parameters():
-            init_parameter(name, p, self.config.n_layer)
+            init_parameter(name, p, self.config.n_layer, self.config.zero_init_proj)
 
     def num_params(self) -> int:
         """Number of distinct parameters (a tied embedding counts once)."""

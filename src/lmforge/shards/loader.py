@@ -191,11 +191,17 @@ class WindowLoader:
     With ``return_doc_info`` ``next_batch`` also returns, for every input token, its
     position within its document (``(B, T)`` int64; 0 at each document start): the
     position ids and document boundaries that attention masked per document needs.
+
+    With ``stratified`` each epoch's order is :func:`stratified_order` instead of a plain
+    permutation: any run of consecutive windows -- a micro-batch, a rank's share, an
+    optimizer step's batch over ranks and accumulation -- holds each domain in its share
+    of the split's windows (within a window or two), not only the epoch as a whole. It is
+    still a seeded permutation of the same windows, so the cursor resumes it exactly.
     """
 
     def __init__(self, shards: ShardSet, seq_len: int, batch_size: int, seed: int,
                  rank: int = 0, world_size: int = 1, align_to_docs: bool = False,
-                 return_doc_info: bool = False) -> None:
+                 return_doc_info: bool = False, stratified: bool = False) -> None:
         if seq_len <= 0 or batch_size <= 0:
             raise ConfigError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be > 0")
         if not 0 <= rank < world_size:
@@ -208,6 +214,7 @@ class WindowLoader:
         self.world_size = world_size
         self.align_to_docs = align_to_docs
         self.return_doc_info = return_doc_info
+        self.stratified = stratified
         self._starts = _doc_aligned_starts(shards, seq_len) if align_to_docs else None
         self.num_windows = (len(self._starts) if self._starts is not None
                             else (shards.num_tokens - 1) // seq_len)
@@ -251,9 +258,12 @@ class WindowLoader:
     def state_dict(self) -> dict:
         """The position as plain ints (safe for ``torch.load(weights_only=True)``)."""
         epoch, position = divmod(self._cursor, self.num_windows)
-        return {"epoch": int(epoch), "position": int(position),
-                "num_windows": int(self.num_windows), "seq_len": int(self.seq_len),
-                "seed": int(self.seed), "align_to_docs": int(self.align_to_docs)}
+        state = {"epoch": int(epoch), "position": int(position),
+                 "num_windows": int(self.num_windows), "seq_len": int(self.seq_len),
+                 "seed": int(self.seed), "align_to_docs": int(self.align_to_docs)}
+        if self.stratified:  # absent when off: shuffled checkpoints read as before
+            state["stratified"] = 1
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at a saved position; refuse a state from a different window layout."""
@@ -263,6 +273,10 @@ class WindowLoader:
                 raise ConfigError(f"loader state has {key}={state[key]} but this loader has "
                                   f"{key}={mine}; the data or its layout changed since the "
                                   "checkpoint")
+        if int(state.get("stratified", 0)) != int(self.stratified):
+            raise ConfigError(f"loader state has stratified={int(state.get('stratified', 0))} "
+                              f"but this loader has stratified={int(self.stratified)}; the "
+                              "batch order changed since the checkpoint")
         self._cursor = int(state["epoch"]) * self.num_windows + int(state["position"])
 
     def _permutation(self, epoch: int) -> np.ndarray:
@@ -270,8 +284,31 @@ class WindowLoader:
             # Keep the current and next epoch only: a batch spans at most two.
             self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
             rng = np.random.default_rng(self.seed + epoch)
-            self._perms[epoch] = rng.permutation(self.num_windows)
+            self._perms[epoch] = (stratified_order(self.window_domains(), rng)
+                                  if self.stratified else rng.permutation(self.num_windows))
         return self._perms[epoch]
+
+    def window_domains(self) -> np.ndarray:
+        """Domain code of each window (that of its first target token), int64."""
+        starts = (self._starts if self._starts is not None
+                  else np.arange(self.num_windows, dtype=np.int64) * self.seq_len)
+        return self.shards.domain_of(starts + 1)
+
+
+def stratified_order(domains: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A permutation of ``range(len(domains))`` in which every run of consecutive entries
+    holds each domain in its overall share, to within about one entry per domain.
+
+    Systematic sampling: each domain's entries are shuffled, the k-th of a domain with n
+    entries gets the key ``(k + u) / n`` (``u`` one uniform offset per domain), and the
+    order is by key. A domain's keys are evenly spaced 1/n apart, so any stretch of keys
+    holds its share of them, give or take one.
+    """
+    keys = np.empty(len(domains), dtype=np.float64)
+    for d in np.unique(domains):
+        members = rng.permutation(np.flatnonzero(domains == d))
+        keys[members] = (np.arange(len(members)) + rng.random()) / len(members)
+    return np.argsort(keys, kind="stable")
 
 
 def masked_targets(shards: ShardSet, targets: np.ndarray, starts: np.ndarray) -> np.ndarray:

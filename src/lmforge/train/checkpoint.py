@@ -44,7 +44,12 @@ _REQUIRED = ("format", "fingerprint", "step", "model", "optimizer", "ranks", "pr
 # Model keys added with the open families, at the values every earlier run had: left out
 # of a run's identity when so, so a run started before they existed resumes after.
 _LATER_MODEL_KEYS = {"family": "llama", "head_dim": None, "qkv_bias": False,
-                     "qk_norm": False, "rope_scaling": None}
+                     "qk_norm": False, "rope_scaling": None, "zero_init_proj": False}
+# Train keys added with Muon and stratified batches (issue 24), likewise left out at
+# these values; the muon_* keys are also left out whenever the optimizer is adamw (they
+# change nothing then).
+_LATER_TRAIN_KEYS = {"optimizer": "adamw", "batch_sampling": "shuffled"}
+_MUON_KEYS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_adjust_lr")
 
 
 def run_identity(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int,
@@ -58,7 +63,7 @@ def run_identity(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int
     the pretraining shards fine-tuning replays; ``stage``: ``sft`` for a fine-tuning run
     (pretraining runs record no stage, so their identities are as before).
     """
-    train = {k: v for k, v in dataclasses.asdict(train_cfg).items() if k not in NON_RUN_KEYS}
+    train = _train_identity(train_cfg)
     model = {k: v for k, v in dataclasses.asdict(model_cfg).items()
              if k not in _LATER_MODEL_KEYS or v != _LATER_MODEL_KEYS[k]}
     blob = {
@@ -85,6 +90,17 @@ def run_identity(model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int
     if stage != "train":
         blob["stage"] = stage
     return blob
+
+
+def _train_identity(train_cfg: TrainConfig) -> dict[str, Any]:
+    """The train keys that shape a run, without those at their pre-existing values."""
+    train = {k: v for k, v in dataclasses.asdict(train_cfg).items()
+             if k not in NON_RUN_KEYS and not (k in _LATER_TRAIN_KEYS
+                                               and v == _LATER_TRAIN_KEYS[k])}
+    if train_cfg.optimizer == "adamw":
+        for k in _MUON_KEYS:
+            train.pop(k, None)
+    return train
 
 
 def fingerprint_of(identity: dict[str, Any]) -> str:

@@ -105,7 +105,7 @@ def build_sharded(cfg: ModelConfig, vocab_size: int, env: DistEnv, bf16: bool,
             plain = name.replace(".base.", ".")  # a wrapped layer's weight: its file name
             if replay:
                 full = torch.empty(p.shape)
-                init_parameter(plain, full, cfg.n_layer)
+                init_parameter(plain, full, cfg.n_layer, cfg.zero_init_proj)
             if source is None:
                 _fill_chunk(p, env, lambda lo, hi, full=full: full[lo:hi])
             else:

@@ -51,11 +51,10 @@ from lmforge.train.fsdp import (
     shard_model,
     unsharded_copy,
 )
-from lmforge.train.optim import build_optimizer
+from lmforge.train.optim import build_optimizer, set_learning_rates
 from lmforge.train.precision import Precision, resolve_precision
 from lmforge.train.probe import probe_micro_batch
 from lmforge.train.replay import ReplayLoader
-from lmforge.train.schedule import lr_at
 from lmforge.train.telemetry import NullRun, format_duration, memory_mb, open_run, peak_flops
 from lmforge.train.warm_start import (
     adopt_architecture,
@@ -93,9 +92,9 @@ class NextToken:
     stats: tuple[str, ...] = ()
 
     def make_loader(self, data: TrainData, seq_len: int, batch_size: int, seed: int,
-                    env: DistEnv, doc_mask: bool) -> Any:
-        """This rank's training batches."""
-        return open_loader(data, seq_len, batch_size, seed, env, doc_mask)
+                    env: DistEnv, doc_mask: bool, stratified: bool = False) -> Any:
+        """This rank's training batches (``stratified``: see ``train.batch_sampling``)."""
+        return open_loader(data, seq_len, batch_size, seed, env, doc_mask, stratified)
 
     def count(self, batch: list[torch.Tensor]) -> int:
         """Target tokens in the micro-batch."""
@@ -182,15 +181,17 @@ def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model, start_note = build_model(params, vocab, env, bf16, compile_blocks, tokenizer_sha256)
     # After sharding: an optimizer built before would hold the unsharded parameters.
-    optimizer = build_optimizer(model, cfg, device)
+    optimizer = build_optimizer(model, cfg, device, log)
     scaler = precision.grad_scaler()
     micro_batch, accum = cfg.micro_batch_size, cfg.grad_accum_steps
     if cfg.probe_micro_batch:
         micro_batch, accum = probe_micro_batch(model, optimizer, precision, mcfg, cfg, vocab,
                                                device, log)
     objective = data.objective or NextToken()
+    # Only when asked: an objective with its own loader (DPO's pairs) has no such option.
+    sampling = {"stratified": True} if cfg.batch_sampling == "stratified" else {}
     loader = objective.make_loader(data, mcfg.seq_len, micro_batch, cfg.seed, env,
-                                   mcfg.doc_mask)
+                                   mcfg.doc_mask, **sampling)
     if cfg.init_from:  # runs prune their own old checkpoints (keep_last)
         ensure_outside(cfg.init_from, checkpoint_dir, "where runs prune their checkpoints", key)
     identity = ckpt.run_identity(mcfg, cfg, env.world_size, data.train.manifest,
@@ -247,14 +248,19 @@ def build_model(params: Params, vocab: int, env: DistEnv, bf16: bool, compile_bl
 
 
 def open_loader(data: TrainData, seq_len: int, batch_size: int, seed: int, env: DistEnv,
-                doc_mask: bool) -> Any:
-    """This rank's training batches: the train shards, or with replay both shard sets."""
-    doc_info = {"return_doc_info": True} if doc_mask else {}
+                doc_mask: bool, stratified: bool = False) -> Any:
+    """This rank's training batches: the train shards, or with replay both shard sets.
+
+    ``stratified``: every batch's domain shares follow the mixture (each set's own, with
+    replay: its rows are drawn one at a time in stratified order)."""
+    options = {"return_doc_info": True} if doc_mask else {}
+    if stratified:
+        options["stratified"] = True
     if data.replay is None or data.replay_share == 0:
         return data.make_loader(data.train, seq_len, batch_size, seed, rank=env.rank,
-                                world_size=env.world_size, **doc_info)
+                                world_size=env.world_size, **options)
     rows = [data.make_loader(shards, seq_len, 1, seed + i, rank=env.rank,
-                             world_size=env.world_size, **doc_info)
+                             world_size=env.world_size, **options)
             for i, shards in enumerate((data.train, data.replay))]
     return ReplayLoader(*rows, data.replay_share, batch_size)
 
@@ -335,9 +341,7 @@ def _train_run(params: Params, data: TrainData, objective: Any, model: Llama,
     status = "FAILED"
     try:
         while step < cfg.max_steps:
-            lr = lr_at(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            rates = set_learning_rates(optimizer, step, cfg)
             try:
                 loss_val, grad_norm, stats = _optimizer_step(
                     step_model, ddp, model, optimizer, scaler, precision, loader, accum,
@@ -383,7 +387,7 @@ def _train_run(params: Params, data: TrainData, objective: Any, model: Llama,
                         "train.warmup, or check the data")
 
             if step % cfg.log_every == 0 or step == cfg.max_steps:
-                history[step] = _log_step(step, lr, grad_norm, interval, skipped,
+                history[step] = _log_step(step, rates, grad_norm, interval, skipped,
                                           tokens_per_step, flops_per_step, peak, device,
                                           cfg.max_steps, run, log)
             paused = time.perf_counter()
@@ -708,17 +712,20 @@ def evaluate_loss(model: Llama, data: TrainData, params: Params, precision: Prec
     return mixture_mean(losses, {d: w["tokens"] for d, w in shares.items()})
 
 
-def _log_step(step: int, lr: float, grad_norm: float, interval: _Interval, skipped: int,
+def _log_step(step: int, rates: dict[str, float], grad_norm: float, interval: _Interval, skipped: int,
               tokens_per_step: int, flops_per_step: float, peak: float | None,
               device: torch.device, max_steps: int, run: Any,
               log: Callable[[str], None]) -> dict[str, Any]:
-    """Report the interval since the last log line; return its plots/train.tsv row."""
+    """Report the interval since the last log line; return its plots/train.tsv row.
+
+    ``rates``: ``lr`` and, with Muon, ``lr_muon`` (each group's current rate)."""
     now = time.perf_counter()
     steps = step - interval.start_step
     seconds = max(now - interval.start_time - interval.excluded, 1e-9)
     loss = interval.loss_sum / interval.loss_n if interval.loss_n else float("nan")
     tps = steps * tokens_per_step / seconds
-    metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
+    lr = rates["lr"]
+    metrics = {"loss": loss, **rates, "grad_norm": grad_norm, "tokens_per_sec": tps,
                "skipped_steps": skipped, "memory_mb": memory_mb(device),
                "tflops": steps * flops_per_step / seconds / 1e12}
     averaged = _stat_means(interval.stats)
@@ -732,7 +739,7 @@ def _log_step(step: int, lr: float, grad_norm: float, interval: _Interval, skipp
         + "".join(f" | {k} {v:.3f}" for k, v in averaged.items()))
     interval.start_time, interval.start_step, interval.excluded = now, step, 0.0
     interval.loss_sum, interval.loss_n, interval.stats = 0.0, 0, {}
-    return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+    return {"step": step, "loss": loss, **rates, "grad_norm": grad_norm,
             "tokens_per_sec": tps, **averaged}
 
 

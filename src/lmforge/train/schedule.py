@@ -10,8 +10,11 @@ import math
 from lmforge.config import TrainConfig
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg: TrainConfig, peak: float | None = None) -> float:
     """Learning rate for optimizer step ``step`` (0-based) of ``cfg.max_steps``.
+
+    ``peak``: the peak rate of this schedule (default ``cfg.max_lr``; Muon's groups pass
+    ``cfg.muon_lr``); the floor is ``min_lr_ratio`` of it.
 
     Warmup rises linearly to ``max_lr`` over ``cfg.warmup_steps()`` steps; the decay
     then reaches ``min_lr_ratio * max_lr`` exactly on the last step (the config leaves it
@@ -19,7 +22,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     from or decay to, and its last step at the floor would be a run at a tenth of the
     rate it was given.
     """
-    peak, floor = cfg.max_lr, cfg.max_lr * cfg.min_lr_ratio
+    peak = cfg.max_lr if peak is None else peak
+    floor = peak * cfg.min_lr_ratio
     if cfg.max_steps == 1:
         return peak
     warmup = cfg.warmup_steps()

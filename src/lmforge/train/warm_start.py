@@ -22,7 +22,8 @@ from lmforge.model.llama import Llama
 from lmforge.model.saved import WEIGHTS, load_model, read_config
 
 # Fields that change how a model trains or how far it reads, not what its weights mean.
-_FREE = {"seq_len", "dropout", "doc_mask"}
+# zero_init_proj: an init only, which weights loaded on top of it replace.
+_FREE = {"seq_len", "dropout", "doc_mask", "zero_init_proj"}
 
 
 # Every message names the params.yaml key that was set (``key``): train.init_from,
