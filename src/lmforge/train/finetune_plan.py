@@ -28,21 +28,21 @@ keeps (:func:`lmforge.train.plan.layer_activation_bytes`) except the GEMM inputs
 unadapted Linears; each adapted Linear keeps its input (for A's gradient) and its r-wide
 intermediate (for B's). The residual stream is the base's dtype. Before the first
 adapter nothing needs a gradient: the first block's input norm keeps nothing, and
-neither do its q/k/v GEMM nor its weight concatenation. The token ids are not saved
+neither does its q/k/v GEMM. The token ids are not saved
 (the embedding is frozen) but are alive as the batch, so they are counted as in
 pretraining. The fused loss makes no head gradient (the head is frozen). With
 activation checkpointing the count has the pretraining plan's structure (every block's
 input, plus one block being recomputed), not checked against autograd.
 
-``fused_linear`` (llama.py) concatenates q|k|v and gate|up for one GEMM each forward;
-with a frozen base that concatenation is what the GEMM keeps for backward: a 16-bit
-copy of about two thirds of every block's weights ("weight copies"), one block's under
-activation checkpointing. QLoRA is planned as torchao's ``linear_nf4``, which keeps the
-NF4 weight itself (no copy) and dequantizes one matrix at a time: its eager
-``get_original_weight`` peaks at 14 bytes per element (two int64 code tensors, 8; their
-16-bit lookups, 2; the scaled halves, 2; the stacked result, 2), planned for the largest
-frozen matrix ("dequantized weight", transient). A ``torch.cat`` of NF4 weights would
-dequantize them (torchao's cat handler) and bring the LoRA row back.
+``fused_linear`` (llama.py) joins q|k|v and gate|up into one GEMM only where a weight
+trains (full fine-tuning: the pretraining plan's "weight copies"); a group of frozen
+weights runs as separate GEMMs, each keeping its own frozen weight (a parameter, no
+copy) for the input's gradient, so LoRA and QLoRA keep no joined copy of the base.
+QLoRA is planned as torchao's ``linear_nf4``, which keeps the NF4 weight itself and
+dequantizes one matrix at a time: its eager ``get_original_weight`` peaks at 14 bytes per
+element (two int64 code tensors, 8; their 16-bit lookups, 2; the scaled halves, 2; the
+stacked result, 2), planned for the largest frozen matrix ("dequantized weight",
+transient).
 
 Not modelled (beyond the pretraining plan's own list): adapter dropout > 0 (a mask and
 a dropped copy of each adapted input), adapters on ``lm_head`` (refused), Qwen3's
@@ -145,23 +145,6 @@ def _grad_flows(targets: tuple[str, ...]) -> tuple[bool, bool]:
     return qkv, qkv or "wo" in targets
 
 
-def lora_weight_copy_bytes(t: Tune) -> int:
-    """The q|k|v and gate|up concatenations frozen GEMMs keep: a * (fused) per block
-    whose GEMM input needs a gradient (not the first block's q|k|v, nor its gate|up when
-    no attention Linear is adapted); one block's with activation checkpointing; none in
-    QLoRA (torchao's linear_nf4 keeps the NF4 weight itself)."""
-    if t.mode == "qlora":
-        return 0
-    cfg, a = t.setup.model, base_bytes(t.setup.precision)
-    qkv = cfg.n_embd * (cfg.n_head + 2 * (cfg.n_kv_head or cfg.n_head)) * cfg.head_size()
-    gate_up = 2 * cfg.n_embd * ffn_hidden_size(cfg)
-    if t.setup.activation_checkpointing:
-        return a * (qkv + gate_up)
-    _, attn = _grad_flows(t.targets)
-    layers = cfg.n_layer
-    return a * ((layers - 1) * qkv + (layers if attn else layers - 1) * gate_up)
-
-
 def lora_loss_buffer_bytes(t: Tune, micro_batch: int) -> int:
     """The fused loss with a frozen head: no weight gradient, only one chunk of fp32
     logits (+ its 16-bit copy): (4 [+ 2]) * V * chunk tokens; 0 without the fused loss."""
@@ -184,8 +167,7 @@ def rows_bytes(t: Tune, micro_batch: int) -> dict[str, int]:
     n = adapter_params(t)
     rows = weight_rows(t)
     rows.update(adapters=4 * n, grads=4 * n, optimizer=8 * n,
-                adapter_casts=0 if s.precision == "fp32" else 2 * n,
-                weight_copies=lora_weight_copy_bytes(t))
+                adapter_casts=0 if s.precision == "fp32" else 2 * n)
     if t.mode == "qlora":
         largest = max(o * i for o, i in linear_shapes(s.model).values())
         rows["dequant"] = NF4_DEQUANT_BYTES * largest
@@ -204,8 +186,7 @@ def row_labels(t: Tune) -> list[tuple[str, str]]:
               [("weights", "frozen Linears (NF4)"),
                ("weights_16", f"embeddings, norms, head ({dtype})")])
     casts = [] if dtype == "fp32" else [("adapter_casts", f"adapter casts ({dtype})")]
-    tail = ([("weight_copies", "weight copies")] if t.mode == "lora"
-            else [("dequant", "dequantized weight")])
+    tail = [] if t.mode == "lora" else [("dequant", "dequantized weight")]
     return (frozen + [("adapters", "adapters (fp32)"), ("grads", "adapter grads (fp32)"),
                       ("optimizer", "adapter AdamW (fp32)")]
             + casts + tail + [("loss_buffers", "loss buffers")])
