@@ -141,7 +141,7 @@ def _nf4_module():
     pytest.skip("torchao is not installed (pip install torchao)")
 
 
-@pytest.mark.parametrize("shape", [(512, 256), (1024, 128)])
+@pytest.mark.parametrize("shape", [(512, 256), (1024, 128), (128, 128)])
 def test_nf4_bytes_equal_torchaos_tensor(shape):
     nf4 = _nf4_module()
     t = nf4.to_nf4(torch.randn(*shape, dtype=torch.bfloat16))

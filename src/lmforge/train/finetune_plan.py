@@ -19,7 +19,10 @@ What each mode holds (P parameters; n adapter parameters, ``lora_param_count_for
   double-quantised in blocks of 256): per weight matrix of N elements, N/2 bytes of
   4-bit codes, N/64 int8 block scalers, N/(64*256) 16-bit scaler factors, one 16-bit
   scaler mean and the 16-entry 16-bit NF4 table (checked against torchao's tensor when
-  torchao is installed). Embeddings, norms, biases and the head stay bf16.
+  torchao is installed; quantised from bf16 whatever the rest is held in). Embeddings,
+  norms, biases, the head and any block matrix that is not a whole number of 64 * 256
+  weights stay at the base's dtype (``--precision``: bf16, or fp32 as a CPU run holds
+  them).
 
 Activations under LoRA (counted tensor by tensor, checked against
 ``saved_tensors_hooks`` in tests/test_finetune_plan.py): a frozen GEMM ``x W^T`` keeps W
@@ -59,6 +62,7 @@ from typing import Any
 
 from lmforge.config import ModelConfig
 from lmforge.errors import ConfigError
+from lmforge.model.frozen import NF4_BLOCK, NF4_SCALER_BLOCK, nf4_fits
 from lmforge.model.llama import ffn_hidden_size
 from lmforge.model.lora import ATTN_TARGETS, MLP_TARGETS, lora_param_count_formula
 from lmforge.train import plan as pl
@@ -66,10 +70,6 @@ from lmforge.train import plan as pl
 MODES = ("full", "lora", "qlora")
 DEVICES = ("cuda", "cpu")
 BLOCK_TARGETS = ATTN_TARGETS + MLP_TARGETS
-# torchao's to_nf4 defaults (torchao/dtypes/nf4tensor.py): 64 weights share a scaler, and
-# the scalers are quantised to int8 in blocks of 256 with one factor each.
-NF4_BLOCK = 64
-NF4_SCALER_BLOCK = 256
 NF4_LEVELS = 16
 NF4_DEQUANT_BYTES = 14  # eager get_original_weight's peak per element (module docstring)
 
@@ -103,17 +103,21 @@ def base_bytes(precision: str) -> int:
 
 
 def nf4_bytes(numel: int, scale_bytes: int = 2) -> int:
-    """Bytes of torchao's NF4Tensor of ``numel`` weights quantised from a 16-bit tensor.
+    """Bytes of torchao's NF4Tensor of ``numel`` weights quantised from a 16-bit tensor
+    (``scale_bytes`` 4 from an fp32 one).
 
     numel/2 (two 4-bit codes a byte) + numel/64 (int8 block scalers) + 2 numel/(64*256)
     (a factor per block of scalers) + 2 (the scalers' mean) + 16 * 2 (the NF4 table).
     """
-    if numel % (NF4_BLOCK * NF4_SCALER_BLOCK):
+    if not nf4_fits(numel):
         raise ConfigError(f"plan: a frozen matrix of {numel} weights is not a multiple of "
                           f"{NF4_BLOCK * NF4_SCALER_BLOCK}, which torchao's to_nf4 needs")
     blocks = numel // NF4_BLOCK
-    return (numel // 2 + blocks + scale_bytes * (blocks // NF4_SCALER_BLOCK)
-            + scale_bytes * (1 + NF4_LEVELS))
+    factors = blocks // NF4_SCALER_BLOCK
+    # With one scaler block torchao's factor is a 1-element view of a 256-element tensor
+    # (double_quantize_scalers' [:, 0] stays "contiguous"), so 256 factors stay allocated.
+    held_factors = NF4_SCALER_BLOCK if factors == 1 else factors
+    return numel // 2 + blocks + scale_bytes * (held_factors + 1 + NF4_LEVELS)
 
 
 def adapter_params(t: Tune) -> int:
@@ -123,16 +127,17 @@ def adapter_params(t: Tune) -> int:
 
 def weight_rows(t: Tune) -> dict[str, int]:
     """The frozen base: ``weights`` (P bf16, or the NF4 block Linears) and, in QLoRA,
-    ``weights_16`` (embeddings, norms, biases and head at the base's dtype)."""
+    ``weights_16`` (embeddings, norms, biases, head and any block matrix that is not a
+    whole number of NF4 scaler blocks, at the base's dtype), as
+    :func:`lmforge.model.frozen.hold_frozen_in` holds them (NF4 quantised from bf16)."""
     cfg, vocab = t.setup.model, t.setup.vocab
     total = pl.num_params(cfg, vocab)
     b = base_bytes(t.setup.precision)
     if t.mode == "lora":
         return {"weights": b * total}
-    shapes = linear_shapes(cfg).values()
-    nf4 = cfg.n_layer * sum(nf4_bytes(o * i, b) for o, i in shapes)
-    rest = total - cfg.n_layer * sum(o * i for o, i in shapes)
-    return {"weights": nf4, "weights_16": b * rest}
+    sizes = [o * i for o, i in linear_shapes(cfg).values() if nf4_fits(o * i)]
+    nf4 = cfg.n_layer * sum(nf4_bytes(n) for n in sizes)
+    return {"weights": nf4, "weights_16": b * (total - cfg.n_layer * sum(sizes))}
 
 
 # --------------------------------------------------------------------------- rows
