@@ -29,9 +29,7 @@ of each side is measured in its own process (``--side``), building the model and
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -170,28 +168,27 @@ def peak_rss_of(side: str, args: argparse.Namespace, ours_dir: Path) -> dict[str
 
 
 def _high_water_mib() -> float:
-    """VmHWM of this process (MiB), or the lifetime peak where /proc cannot say."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    """VmHWM of this process (MiB): the peak RSS of its own memory since exec (or since
+    the last reset). ``ru_maxrss`` is no substitute: it carries the forking parent's RSS
+    over the exec, so every side would report at least the parent's size."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def run_side(args: argparse.Namespace, ours_dir: Path) -> None:
     """``--side``: build one trainer, run its steps, print its peak RSS as JSON."""
     tokens = make_tokens(args.vocab, args.micro, args.seq)
     trainer = build(args.side, args, ours_dir, tokens)
+    built = _high_water_mib()
     # "5" resets the peak RSS (proc(5), clear_refs), so the steps' own peak shows.
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")
+    Path("/proc/self/clear_refs").write_text("5")
     for _ in range(args.steps):
         trainer.train_step()
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    print(json.dumps({"side": args.side, "peak_rss_mib": round(rss, 1),
-                      "steps_rss_mib": round(_high_water_mib(), 1)}))
+    steps = _high_water_mib()
+    print(json.dumps({"side": args.side, "peak_rss_mib": round(max(built, steps), 1),
+                      "steps_rss_mib": round(steps, 1)}))
 
 
 def main() -> None:
