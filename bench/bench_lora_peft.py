@@ -14,7 +14,10 @@ interleaved rounds in one process:
   ``zero_grad(set_to_none=True)``: the loop a PEFT user writes (or TRL's SFTTrainer runs).
 
 ``--precision fp32``: both in fp32. ``bf16``: both hold the base in bf16 and compute under
-bf16 autocast; adapters fp32 on both sides (PEFT's ``autocast_adapter_dtype``). Peak RSS
+bf16 autocast; adapters fp32 on both sides (PEFT's ``autocast_adapter_dtype``).
+``ours-bf16store`` / ``ours-nf4``: lmforge with the base held in bf16 / QLoRA's NF4
+(``lora.base_dtype``) and computing in ``--precision``; ratios are against
+``peft-eager`` when it runs, else the last side listed. Peak RSS
 of each side is measured in its own process (``--side``), building the model and running
 ``--steps`` steps, since one process cannot tell two models' peaks apart.
 
@@ -27,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -69,6 +71,10 @@ class Ours:
         torch.manual_seed(0)
         self.model, _ = load_model(folder)
         self.model.train()
+        # Off the safetensors mmap into the process's own memory, as a run's build_model
+        # holds its warm-started weights, so peak RSS compares what each base holds.
+        for p in self.model.parameters():
+            p.data = p.data.clone()
         apply_lora(self.model, rank, 2.0 * rank, 0.0, ["attn", "mlp"])
         hold_frozen_in(self.model, base_dtype)
         self.step_model = torch.compile(self.model) if compile_ else self.model
@@ -137,34 +143,52 @@ def make_tokens(vocab: int, micro: int, seq: int) -> torch.Tensor:
 def build(side: str, args: argparse.Namespace, ours_dir: Path, tokens: torch.Tensor
           ) -> Ours | Peft:
     """One trainer by name: ours-eager, ours-compile, ours-bf16store (CPU's 16-bit
-    storage with fp32 compute), peft-eager."""
+    storage with fp32 compute), ours-nf4 (QLoRA's NF4 base), peft-eager."""
     base_dtype = "bf16" if args.precision == "bf16" else "fp32"
     if side == "ours-bf16store":
         return Ours(ours_dir, tokens, args.rank, "fp32", False, "bf16")
+    if side == "ours-nf4":
+        return Ours(ours_dir, tokens, args.rank, args.precision, False, "nf4")
     if side.startswith("ours"):
         return Ours(ours_dir, tokens, args.rank, args.precision, side == "ours-compile",
                     base_dtype)
     return Peft(args.hf, tokens, args.rank, args.precision, side == "peft-compile")
 
 
-def peak_rss_of(side: str, args: argparse.Namespace, ours_dir: Path) -> float:
-    """Peak RSS (MiB) of a fresh process that builds ``side`` and runs ``--steps`` steps."""
+def peak_rss_of(side: str, args: argparse.Namespace, ours_dir: Path) -> dict[str, float]:
+    """Peak RSS (MiB) of a fresh process that builds ``side`` and runs ``--steps`` steps:
+    ``peak_rss_mib`` over its whole life (loading included), ``steps_rss_mib`` over the
+    steps alone (the kernel's high-water mark reset once the model is built)."""
     cmd = [sys.executable, __file__, "--hf", str(args.hf), "--precision", args.precision,
            "--rank", str(args.rank), "--micro", str(args.micro), "--seq", str(args.seq),
            "--steps", str(args.steps), "--threads", str(args.threads), "--side", side,
            "--ours-dir", str(ours_dir)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["peak_rss_mib"]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _high_water_mib() -> float:
+    """VmHWM of this process (MiB): the peak RSS of its own memory since exec (or since
+    the last reset). ``ru_maxrss`` is no substitute: it carries the forking parent's RSS
+    over the exec, so every side would report at least the parent's size."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def run_side(args: argparse.Namespace, ours_dir: Path) -> None:
     """``--side``: build one trainer, run its steps, print its peak RSS as JSON."""
     tokens = make_tokens(args.vocab, args.micro, args.seq)
     trainer = build(args.side, args, ours_dir, tokens)
+    built = _high_water_mib()
+    # "5" resets the peak RSS (proc(5), clear_refs), so the steps' own peak shows.
+    Path("/proc/self/clear_refs").write_text("5")
     for _ in range(args.steps):
         trainer.train_step()
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    print(json.dumps({"side": args.side, "peak_rss_mib": round(rss, 1)}))
+    steps = _high_water_mib()
+    print(json.dumps({"side": args.side, "peak_rss_mib": round(max(built, steps), 1),
+                      "steps_rss_mib": round(steps, 1)}))
 
 
 def main() -> None:
@@ -214,10 +238,11 @@ def compare(args: argparse.Namespace, ours_dir: Path) -> None:
     base = "peft-eager" if "peft-eager" in sides else sides[-1]
     for s in sides:
         best, med = min(times[s]), statistics.median(times[s])
-        ratio = (f"  PEFT/this {min(times[base]) / best:.2f}x best, "
+        ratio = (f"  {base}/this {min(times[base]) / best:.2f}x best, "
                  f"{statistics.median(times[base]) / med:.2f}x median" if s != base else "")
         print(f"{s:<15} {best:7.3f} / {med:7.3f} s  {tok / best:7.0f} tok/s  trained "
-              f"{trained[s]:,}  peak RSS {rss[s]:,.0f} MiB{ratio}")
+              f"{trained[s]:,}  peak RSS {rss[s]['peak_rss_mib']:,.0f} MiB (steps "
+              f"{rss[s]['steps_rss_mib']:,.0f}){ratio}")
 
 
 if __name__ == "__main__":

@@ -457,7 +457,9 @@ class LoraConfig:
     targets: list[str] = field(default_factory=lambda: ["attn", "mlp"])
     # The dtype the frozen base is held in (model/frozen.py): auto = bf16 on a GPU (fp16
     # without bf16), fp32 on a CPU; adapters and their optimizer state stay fp32.
-    base_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    # nf4 (QLoRA): the blocks' Linear weights in torchao NF4, the rest as auto holds it
+    # (pip install 'lmforge[qlora]'; not with strategy: fsdp).
+    base_dtype: Literal["auto", "fp32", "bf16", "fp16", "nf4"] = "auto"
 
     def validate(self) -> None:
         if self.rank < 1 or self.alpha <= 0 or not 0 <= self.dropout < 1 or not self.targets:

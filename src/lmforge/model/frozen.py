@@ -15,6 +15,22 @@ Computing with it:
   so the run's memory halves while its matmuls stay fp32 ones;
 * the embedding's rows come out in fp32, so the residual stream is fp32 as in training.
 
+QLoRA (``nf4``): the frozen Linear weights of the blocks (attention and MLP, the bases
+under LoRA adapters too) become torchao NF4 tensors (``to_nf4``: 4-bit codes, a scaler
+per 64 weights, the scalers quantised in blocks of 256), quantised from their bf16 cast
+on any device so a run's codes do not depend on where it runs; a matrix whose size is
+not a whole number of scaler blocks (64 * 256 weights) stays with the rest. The rest
+(embeddings, a tied or untied head, norms, biases) is held as ``auto`` holds a base on
+the device: bf16 on a GPU (fp16 without bf16), fp32 on a CPU, where 16-bit storage costs
+a cast per use and is slower (bench/RESULTS.md). torchao is optional
+(``pip install 'lmforge[qlora]'``).
+
+A weight stored in another form than it computes in (16 bits under fp32 compute, or
+NF4) goes through :func:`frozen_linear`: cast or dequantised per matmul, in forward and
+again in backward, with only the stored weight kept for the input's gradient (autograd
+would keep the cast copy: an fp32 copy of a 16-bit base, a dequantised copy of an NF4
+one).
+
 Layers are given these rules by changing their class to :class:`CastLinear` /
 :class:`CastEmbedding` (subclasses with the same parameters, so state_dict keys, LoRA
 wrapping, merging and export see ordinary layers). :func:`restore_fp32` turns a model
@@ -23,6 +39,8 @@ back into plain fp32 layers, for saving a merged model.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,6 +48,57 @@ from torch import nn
 from lmforge.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BASE_DTYPES = (*DTYPES, "nf4")
+# torchao's to_nf4 defaults: 64 weights share a scaler; the scalers are quantised to int8
+# in blocks of 256, so a matrix must hold a whole number of 64 * 256 weights.
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+QLORA_EXTRA = "pip install 'lmforge[qlora]'"
+
+
+def nf4_module(where: str = "lora.base_dtype") -> Any:
+    """torchao's NF4 module (``to_nf4``, ``NF4Tensor``), or a one-line ConfigError naming
+    the extra that installs it."""
+    import importlib
+    import importlib.util
+    import logging
+
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"{where}: nf4 needs torchao, which is not installed: "
+                          f"{QLORA_EXTRA}")
+    # torchao logs a warning per CUDA-only kernel library it cannot load on a CPU build
+    # (NF4 uses none of them), and torch one about an Enum torchao registers.
+    logs = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
+    try:
+        for name in ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor",  # >= 0.16
+                     "torchao.dtypes.nf4tensor"):
+            try:
+                return importlib.import_module(name)
+            except ModuleNotFoundError as e:  # not this version's path; anything else raises
+                if e.name is None or not name.startswith(e.name):
+                    raise
+    finally:
+        for log, level in zip(logs, levels, strict=True):
+            log.setLevel(level)
+    raise ConfigError(f"{where}: the installed torchao has no NF4 tensor: {QLORA_EXTRA}")
+
+
+def is_nf4(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a torchao NF4 tensor (checked without importing torchao)."""
+    return any(c.__name__ == "NF4Tensor" for c in type(t).__mro__)
+
+
+def nf4_fits(numel: int) -> bool:
+    """Whether a matrix of ``numel`` weights can be held in NF4 with torchao's defaults."""
+    return numel % (NF4_BLOCK * NF4_SCALER_BLOCK) == 0
+
+
+def nf4_nbytes(t: torch.Tensor) -> int:
+    """Bytes an NF4 tensor holds (its codes, scalers, factors, mean and table)."""
+    names, _ = t.__tensor_flatten__()
+    return sum(getattr(t, n).untyped_storage().nbytes() for n in names)
 
 
 def resolve_base_dtype(requested: str, device: torch.device, strategy: str = "ddp",
@@ -40,8 +109,14 @@ def resolve_base_dtype(requested: str, device: torch.device, strategy: str = "dd
     Under FSDP the sharded base stays fp32 and FSDP's mixed-precision policy gathers it
     in 16 bits for compute, so an explicit 16-bit base is refused there.
     """
-    if requested not in (*DTYPES, "auto"):
-        raise ConfigError(f"{where}: {requested!r} must be auto, fp32, bf16 or fp16")
+    if requested not in (*BASE_DTYPES, "auto"):
+        raise ConfigError(f"{where}: {requested!r} must be auto, fp32, bf16, fp16 or nf4")
+    if requested == "nf4" and strategy == "fsdp":
+        raise ConfigError(f"{where}: nf4 with strategy: fsdp is not supported; use ddp (one "
+                          "device holds a 4-bit base) or a 16-bit base_dtype")
+    if requested == "nf4":
+        nf4_module(where)  # fail here, before a model is built, if torchao is missing
+        return "nf4"
     if strategy == "fsdp":
         if requested not in ("auto", "fp32"):
             raise ConfigError(f"{where}: {requested} with strategy: fsdp; FSDP shards the "
@@ -63,12 +138,44 @@ def compute_weight(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return w.to(x.dtype)
 
 
+class _StoredWeightMatmul(torch.autograd.Function):
+    """``x W^T`` with a frozen W stored in another form than ``dtype``: W is cast (or
+    dequantised) for the forward matmul and again for the backward one, and only the
+    stored W is saved."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(w)
+        ctx.x_dtype = x.dtype
+        return F.linear(x.to(dtype), w.to(dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (w,) = ctx.saved_tensors
+        return (grad @ w.to(grad.dtype)).to(ctx.x_dtype), None, None
+
+
+def frozen_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for a frozen weight held in any form: as it is when it computes in its
+    own dtype (or an fp32/16-bit one under autocast, which casts it); through
+    :class:`_StoredWeightMatmul` when it must be cast outside autocast or is NF4
+    (dequantised to autocast's dtype, or to ``x``'s without autocast)."""
+    autocast = torch.is_autocast_enabled(x.device.type)
+    if is_nf4(weight) or (not autocast and weight.dtype != x.dtype):
+        dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+        out = _StoredWeightMatmul.apply(x, weight, dtype)
+        return out if bias is None else out + compute_weight(bias, out)
+    return F.linear(x, weight, None if bias is None else compute_weight(bias, x))
+
+
 class CastLinear(nn.Linear):
-    """An ``nn.Linear`` whose weight may be stored in another dtype than it computes in."""
+    """An ``nn.Linear`` whose frozen weight may be stored in another dtype (or NF4) than
+    it computes in."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else compute_weight(self.bias, x)
-        return F.linear(x, compute_weight(self.weight, x), bias)
+        return frozen_linear(x, self.weight, self.bias)
 
 
 class CastEmbedding(nn.Embedding):
@@ -79,8 +186,12 @@ class CastEmbedding(nn.Embedding):
 
 
 def hold_frozen_in(model: nn.Module, dtype: str) -> int:
-    """Cast every frozen Linear weight and embedding table of ``model`` to ``dtype``, in
-    place; returns the bytes this saves. fp32 changes nothing."""
+    """Hold every frozen Linear weight and embedding table of ``model`` in ``dtype``
+    (``nf4``: the blocks' Linear weights in NF4, the rest as :func:`nf4_rest_dtype`
+    says), in place; returns the bytes this saves. fp32 changes nothing."""
+    if dtype == "nf4":
+        rest = nf4_rest_dtype(next(model.parameters()).device)
+        return quantize_block_linears(model) + hold_frozen_in(model, rest)
     target = DTYPES[dtype]
     if target == torch.float32:
         return 0
@@ -98,12 +209,40 @@ def hold_frozen_in(model: nn.Module, dtype: str) -> int:
     return saved
 
 
+def nf4_rest_dtype(device: torch.device) -> str:
+    """What a QLoRA run holds outside NF4 (embeddings, head, norms): ``auto``'s choice."""
+    if device.type != "cuda":
+        return "fp32"
+    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+
+def quantize_block_linears(model: nn.Module) -> int:
+    """The frozen ``nn.Linear`` weights under ``layers.`` (attention, MLP, LoRA bases) as
+    NF4 quantised from their bf16 cast, in place; returns the bytes this saves."""
+    to_nf4 = nf4_module().to_nf4
+    saved = 0
+    for name, module in model.named_modules():
+        if (type(module) is not nn.Linear or not name.startswith("layers.")
+                or module.weight.requires_grad or not nf4_fits(module.weight.numel())):
+            continue
+        w = module.weight
+        nf4 = to_nf4(w.detach().to(torch.bfloat16).contiguous(), NF4_BLOCK, NF4_SCALER_BLOCK)
+        saved += w.numel() * w.element_size() - nf4_nbytes(nf4)
+        module.__class__ = CastLinear
+        module.weight = nn.Parameter(nf4, requires_grad=False)
+    return saved
+
+
 def restore_fp32(model: nn.Module) -> nn.Module:
-    """Plain fp32 layers again (after :func:`hold_frozen_in`), in place."""
+    """Plain fp32 layers again (after :func:`hold_frozen_in`; NF4 weights dequantised),
+    in place."""
     back = {CastLinear: nn.Linear, CastEmbedding: nn.Embedding}
     for module in model.modules():
         if type(module) in back:
             module.__class__ = back[type(module)]
+        w = getattr(module, "weight", None)
+        if isinstance(w, torch.Tensor) and is_nf4(w):
+            module.weight = nn.Parameter(w.to(torch.float32), requires_grad=w.requires_grad)
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != torch.float32:
             p.data = p.data.float()
@@ -111,8 +250,11 @@ def restore_fp32(model: nn.Module) -> nn.Module:
 
 
 def frozen_dtype(model: nn.Module) -> str:
-    """The dtype the model's frozen matrices are held in (``fp32`` with none frozen)."""
+    """The dtype the model's frozen matrices are held in (``nf4`` if any is NF4; ``fp32``
+    with none frozen)."""
     names = {v: k for k, v in DTYPES.items()}
+    if any(is_nf4(p) for p in model.parameters()):
+        return "nf4"
     for p in model.parameters():
         if not p.requires_grad and p.dim() >= 2:
             return names.get(p.dtype, str(p.dtype))

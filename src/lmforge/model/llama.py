@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lmforge.config import ModelConfig, RopeScalingConfig
 from lmforge.model import ops
-from lmforge.model.frozen import compute_weight
+from lmforge.model.frozen import compute_weight, frozen_linear
 from lmforge.model.loss import cross_entropy, linear_cross_entropy
 
 
@@ -209,14 +209,14 @@ def fused_linear(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> torch.Tensor
     weight and adds its low-rank path ``delta(x)`` on its own slice of the output, so the
     adapter costs r-wide matmuls, its input dropout applies, and the frozen weight gets no
     gradient product. When every weight is frozen (a LoRA run's base, a DPO reference)
-    the layers run as separate GEMMs instead: the joined weight would be one more copy of
-    the base, kept for backward (two thirds of a 7B base; docs/fine-tuning-memory.md).
+    the layers run as separate GEMMs instead (``frozen.frozen_linear``, which also takes a
+    16-bit or NF4 base): the joined weight would be one more copy of the base, kept for
+    backward (two thirds of a 7B base; docs/fine-tuning-memory.md).
     """
     weights = [getattr(m, "base", m).weight for m in layers]
     biases = [getattr(m, "base", m).bias for m in layers]
     if not any(w.requires_grad for w in weights):
-        parts = [F.linear(x, compute_weight(w, x), None if b is None else compute_weight(b, x))
-                 for w, b in zip(weights, biases, strict=True)]
+        parts = [frozen_linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
         return torch.cat([p + m.delta(x) if hasattr(m, "delta") else p
                           for p, m in zip(parts, layers, strict=True)], dim=-1)
     bias = (torch.cat([b if b is not None else w.new_zeros(w.shape[0])

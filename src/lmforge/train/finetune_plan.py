@@ -19,7 +19,10 @@ What each mode holds (P parameters; n adapter parameters, ``lora_param_count_for
   double-quantised in blocks of 256): per weight matrix of N elements, N/2 bytes of
   4-bit codes, N/64 int8 block scalers, N/(64*256) 16-bit scaler factors, one 16-bit
   scaler mean and the 16-entry 16-bit NF4 table (checked against torchao's tensor when
-  torchao is installed). Embeddings, norms, biases and the head stay bf16.
+  torchao is installed; quantised from bf16 whatever the rest is held in). Embeddings,
+  norms, biases, the head and any block matrix that is not a whole number of 64 * 256
+  weights stay at the base's dtype (``--precision``: bf16, or fp32 as a CPU run holds
+  them).
 
 Activations under LoRA (counted tensor by tensor, checked against
 ``saved_tensors_hooks`` in tests/test_finetune_plan.py): a frozen GEMM ``x W^T`` keeps W
@@ -28,21 +31,21 @@ keeps (:func:`lmforge.train.plan.layer_activation_bytes`) except the GEMM inputs
 unadapted Linears; each adapted Linear keeps its input (for A's gradient) and its r-wide
 intermediate (for B's). The residual stream is the base's dtype. Before the first
 adapter nothing needs a gradient: the first block's input norm keeps nothing, and
-neither do its q/k/v GEMM nor its weight concatenation. The token ids are not saved
+neither does its q/k/v GEMM. The token ids are not saved
 (the embedding is frozen) but are alive as the batch, so they are counted as in
 pretraining. The fused loss makes no head gradient (the head is frozen). With
 activation checkpointing the count has the pretraining plan's structure (every block's
 input, plus one block being recomputed), not checked against autograd.
 
-``fused_linear`` (llama.py) concatenates q|k|v and gate|up for one GEMM each forward;
-with a frozen base that concatenation is what the GEMM keeps for backward: a 16-bit
-copy of about two thirds of every block's weights ("weight copies"), one block's under
-activation checkpointing. QLoRA is planned as torchao's ``linear_nf4``, which keeps the
-NF4 weight itself (no copy) and dequantizes one matrix at a time: its eager
-``get_original_weight`` peaks at 14 bytes per element (two int64 code tensors, 8; their
-16-bit lookups, 2; the scaled halves, 2; the stacked result, 2), planned for the largest
-frozen matrix ("dequantized weight", transient). A ``torch.cat`` of NF4 weights would
-dequantize them (torchao's cat handler) and bring the LoRA row back.
+``fused_linear`` (llama.py) joins q|k|v and gate|up into one GEMM only where a weight
+trains (full fine-tuning: the pretraining plan's "weight copies"); a group of frozen
+weights runs as separate GEMMs, each keeping its own frozen weight (a parameter, no
+copy) for the input's gradient, so LoRA and QLoRA keep no joined copy of the base.
+QLoRA is planned as torchao's ``linear_nf4``, which keeps the NF4 weight itself and
+dequantizes one matrix at a time: its eager ``get_original_weight`` peaks at 14 bytes per
+element (two int64 code tensors, 8; their 16-bit lookups, 2; the scaled halves, 2; the
+stacked result, 2), planned for the largest frozen matrix ("dequantized weight",
+transient).
 
 Not modelled (beyond the pretraining plan's own list): adapter dropout > 0 (a mask and
 a dropped copy of each adapted input), adapters on ``lm_head`` (refused), Qwen3's
@@ -59,6 +62,7 @@ from typing import Any
 
 from lmforge.config import ModelConfig
 from lmforge.errors import ConfigError
+from lmforge.model.frozen import NF4_BLOCK, NF4_SCALER_BLOCK, nf4_fits
 from lmforge.model.llama import ffn_hidden_size
 from lmforge.model.lora import ATTN_TARGETS, MLP_TARGETS, lora_param_count_formula
 from lmforge.train import plan as pl
@@ -66,10 +70,6 @@ from lmforge.train import plan as pl
 MODES = ("full", "lora", "qlora")
 DEVICES = ("cuda", "cpu")
 BLOCK_TARGETS = ATTN_TARGETS + MLP_TARGETS
-# torchao's to_nf4 defaults (torchao/dtypes/nf4tensor.py): 64 weights share a scaler, and
-# the scalers are quantised to int8 in blocks of 256 with one factor each.
-NF4_BLOCK = 64
-NF4_SCALER_BLOCK = 256
 NF4_LEVELS = 16
 NF4_DEQUANT_BYTES = 14  # eager get_original_weight's peak per element (module docstring)
 
@@ -103,17 +103,21 @@ def base_bytes(precision: str) -> int:
 
 
 def nf4_bytes(numel: int, scale_bytes: int = 2) -> int:
-    """Bytes of torchao's NF4Tensor of ``numel`` weights quantised from a 16-bit tensor.
+    """Bytes of torchao's NF4Tensor of ``numel`` weights quantised from a 16-bit tensor
+    (``scale_bytes`` 4 from an fp32 one).
 
     numel/2 (two 4-bit codes a byte) + numel/64 (int8 block scalers) + 2 numel/(64*256)
     (a factor per block of scalers) + 2 (the scalers' mean) + 16 * 2 (the NF4 table).
     """
-    if numel % (NF4_BLOCK * NF4_SCALER_BLOCK):
+    if not nf4_fits(numel):
         raise ConfigError(f"plan: a frozen matrix of {numel} weights is not a multiple of "
                           f"{NF4_BLOCK * NF4_SCALER_BLOCK}, which torchao's to_nf4 needs")
     blocks = numel // NF4_BLOCK
-    return (numel // 2 + blocks + scale_bytes * (blocks // NF4_SCALER_BLOCK)
-            + scale_bytes * (1 + NF4_LEVELS))
+    factors = blocks // NF4_SCALER_BLOCK
+    # With one scaler block torchao's factor is a 1-element view of a 256-element tensor
+    # (double_quantize_scalers' [:, 0] stays "contiguous"), so 256 factors stay allocated.
+    held_factors = NF4_SCALER_BLOCK if factors == 1 else factors
+    return numel // 2 + blocks + scale_bytes * (held_factors + 1 + NF4_LEVELS)
 
 
 def adapter_params(t: Tune) -> int:
@@ -123,16 +127,17 @@ def adapter_params(t: Tune) -> int:
 
 def weight_rows(t: Tune) -> dict[str, int]:
     """The frozen base: ``weights`` (P bf16, or the NF4 block Linears) and, in QLoRA,
-    ``weights_16`` (embeddings, norms, biases and head at the base's dtype)."""
+    ``weights_16`` (embeddings, norms, biases, head and any block matrix that is not a
+    whole number of NF4 scaler blocks, at the base's dtype), as
+    :func:`lmforge.model.frozen.hold_frozen_in` holds them (NF4 quantised from bf16)."""
     cfg, vocab = t.setup.model, t.setup.vocab
     total = pl.num_params(cfg, vocab)
     b = base_bytes(t.setup.precision)
     if t.mode == "lora":
         return {"weights": b * total}
-    shapes = linear_shapes(cfg).values()
-    nf4 = cfg.n_layer * sum(nf4_bytes(o * i, b) for o, i in shapes)
-    rest = total - cfg.n_layer * sum(o * i for o, i in shapes)
-    return {"weights": nf4, "weights_16": b * rest}
+    sizes = [o * i for o, i in linear_shapes(cfg).values() if nf4_fits(o * i)]
+    nf4 = cfg.n_layer * sum(nf4_bytes(n) for n in sizes)
+    return {"weights": nf4, "weights_16": b * (total - cfg.n_layer * sum(sizes))}
 
 
 # --------------------------------------------------------------------------- rows
@@ -143,23 +148,6 @@ def _grad_flows(targets: tuple[str, ...]) -> tuple[bool, bool]:
     starts to need a gradient."""
     qkv = any(n in targets for n in ("wq", "wk", "wv"))
     return qkv, qkv or "wo" in targets
-
-
-def lora_weight_copy_bytes(t: Tune) -> int:
-    """The q|k|v and gate|up concatenations frozen GEMMs keep: a * (fused) per block
-    whose GEMM input needs a gradient (not the first block's q|k|v, nor its gate|up when
-    no attention Linear is adapted); one block's with activation checkpointing; none in
-    QLoRA (torchao's linear_nf4 keeps the NF4 weight itself)."""
-    if t.mode == "qlora":
-        return 0
-    cfg, a = t.setup.model, base_bytes(t.setup.precision)
-    qkv = cfg.n_embd * (cfg.n_head + 2 * (cfg.n_kv_head or cfg.n_head)) * cfg.head_size()
-    gate_up = 2 * cfg.n_embd * ffn_hidden_size(cfg)
-    if t.setup.activation_checkpointing:
-        return a * (qkv + gate_up)
-    _, attn = _grad_flows(t.targets)
-    layers = cfg.n_layer
-    return a * ((layers - 1) * qkv + (layers if attn else layers - 1) * gate_up)
 
 
 def lora_loss_buffer_bytes(t: Tune, micro_batch: int) -> int:
@@ -184,8 +172,7 @@ def rows_bytes(t: Tune, micro_batch: int) -> dict[str, int]:
     n = adapter_params(t)
     rows = weight_rows(t)
     rows.update(adapters=4 * n, grads=4 * n, optimizer=8 * n,
-                adapter_casts=0 if s.precision == "fp32" else 2 * n,
-                weight_copies=lora_weight_copy_bytes(t))
+                adapter_casts=0 if s.precision == "fp32" else 2 * n)
     if t.mode == "qlora":
         largest = max(o * i for o, i in linear_shapes(s.model).values())
         rows["dequant"] = NF4_DEQUANT_BYTES * largest
@@ -204,8 +191,7 @@ def row_labels(t: Tune) -> list[tuple[str, str]]:
               [("weights", "frozen Linears (NF4)"),
                ("weights_16", f"embeddings, norms, head ({dtype})")])
     casts = [] if dtype == "fp32" else [("adapter_casts", f"adapter casts ({dtype})")]
-    tail = ([("weight_copies", "weight copies")] if t.mode == "lora"
-            else [("dequant", "dequantized weight")])
+    tail = [] if t.mode == "lora" else [("dequant", "dequantized weight")]
     return (frozen + [("adapters", "adapters (fp32)"), ("grads", "adapter grads (fp32)"),
                       ("optimizer", "adapter AdamW (fp32)")]
             + casts + tail + [("loss_buffers", "loss buffers")])
