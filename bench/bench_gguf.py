@@ -76,7 +76,7 @@ def llama_greedy(llm, prompt: list[int], n: int, eos: int) -> list[int]:
     """llama.cpp's greedy tokens after ``prompt`` (stopping after EOS, as we do)."""
     llm.reset()
     out = []
-    for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+    for token in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
         out.append(token)
         if len(out) == n or token == eos:
             break
@@ -123,7 +123,8 @@ def chat(model_dir: Path, gguf_path: Path, questions: list[str], n: int) -> dict
         ours = session.reply(q)
         stopped = bool(session.last_ids) and session.last_ids[-1] in session.stop_ids
         got = llm.create_chat_completion([{"role": "user", "content": q}], temperature=0.0,
-                                         top_k=1, max_tokens=n)["choices"][0]
+                                         top_k=1, repeat_penalty=1.0,
+                                         max_tokens=n)["choices"][0]
         rows.append({"question": q, "lmforge": ours, "llama_cpp": got["message"]["content"],
                      "equal": ours == got["message"]["content"],
                      "lmforge_stopped": stopped, "llama_cpp_finish": got["finish_reason"]})

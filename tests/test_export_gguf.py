@@ -30,9 +30,12 @@ gguf = pytest.importorskip("gguf")
 from test_export_hf import SAMPLES, make_model_dir, write_sp  # noqa: E402
 
 TEXT = "The model reads every token of corpus and learns which token is next."
-# f16 rounds each weight to 11 significant bits: on these tiny random models the logits
-# move by a few 1e-3 (measured up to ~2e-3); 1e-2 leaves room and still catches a wrong layout.
-F16_TOL = 1e-2
+# Largest logit difference allowed per type, on logits of magnitude ~0.7. Measured on this
+# test's model: f16 2.2e-4 (11 significant bits per weight), bf16 1.7e-3 (8 bits), q8_0
+# 5.2e-3; each bound is about 4x that, far below what a wrong layout gives (~0.5). q4_0 is
+# lossy by design (0.11): it must still correlate with ours (bench_gguf.py measures its
+# cost on real text).
+TOLERANCE = {"f16": 1e-3, "bf16": 5e-3, "q8_0": 2e-2}
 
 
 @pytest.fixture(scope="module")
@@ -139,13 +142,10 @@ def test_smaller_types_keep_norms_f32_and_stay_close(tmp_path, sp_base, qtype):
     assert out.stat().st_size < f32.stat().st_size
     ids = Tokenizer.load(sp_base).encode(TEXT)
     ours = our_logits(model_dir, ids)
-    diff = (ours - their_logits(out, ids)).abs().max().item()
-    if qtype == "f16":
-        assert diff <= F16_TOL
-    # Block types are lossy by design (bench_gguf.py measures their cost on real text);
-    # here: the layout is right, so the logits still follow ours closely.
-    assert torch.corrcoef(torch.stack([ours.flatten(), their_logits(out, ids).flatten()])
-                          )[0, 1] > 0.95
+    theirs = their_logits(out, ids)
+    if qtype in TOLERANCE:
+        assert (ours - theirs).abs().max().item() <= TOLERANCE[qtype]
+    assert torch.corrcoef(torch.stack([ours.flatten(), theirs.flatten()]))[0, 1] > 0.95
 
 
 def test_llama_cpp_pair_rotation_on_permuted_rows_is_our_rotate_half():
@@ -295,7 +295,7 @@ def test_llama_cpp_continues_and_chats_as_we_do(tmp_path, sp_base, sp_chat, chat
     ours = list(generate(model, prompt, 32))
     llm.reset()
     theirs = []
-    for token in llm.generate(prompt, temp=0.0, top_k=1):
+    for token in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
         theirs.append(token)
         if len(theirs) == 32:
             break
@@ -304,6 +304,7 @@ def test_llama_cpp_continues_and_chats_as_we_do(tmp_path, sp_base, sp_chat, chat
         session = ChatSession(model, tok, max_new_tokens=24)
         reply = session.reply("Which token is next?")
         got = llm.create_chat_completion([{"role": "user", "content": "Which token is next?"}],
-                                         temperature=0.0, top_k=1, max_tokens=24)
+                                         temperature=0.0, top_k=1, max_tokens=24,
+                                         repeat_penalty=1.0)
         assert got["choices"][0]["message"]["content"] == reply
     assert math.isfinite(llm.scores[0, 0])
