@@ -165,11 +165,11 @@ def test_llama_cpp_pair_rotation_on_permuted_rows_is_our_rotate_half():
 
 
 def hf_family_dir(tmp_path: Path, kind: str, chat_template: str | None) -> Path:
-    """A tiny random Qwen2 or Llama (Llama 3 split) with a byte-level tokenizer.json,
+    """A tiny random Qwen2, Qwen3 or Llama (Llama 3 split) with a byte-level tokenizer.json,
     imported into our format as `lmforge import hf` does."""
     from hf_tokenizers import build
 
-    tok_dir = build(tmp_path / "tok", style="qwen2" if kind == "qwen2" else "llama3")
+    tok_dir = build(tmp_path / "tok", style="llama3" if kind == "llama" else "qwen2")
     if chat_template is not None:
         cfg_path = tok_dir / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text())
@@ -178,8 +178,11 @@ def hf_family_dir(tmp_path: Path, kind: str, chat_template: str | None) -> Path:
     vocab = len(json.loads((tok_dir / "tokenizer.json").read_text())["model"]["vocab"]) + 7
     shape = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
-                 max_position_embeddings=64, tie_word_embeddings=kind == "qwen2")
-    cls = "Qwen2" if kind == "qwen2" else "Llama"
+                 max_position_embeddings=64, tie_word_embeddings=kind == "qwen2",
+                 # Qwen3's own head width (not 64 / 4). transformers' GGUF reader does not
+                 # read attention.key_length for qwen3 and takes Qwen3Config's default, 128.
+                 **({"head_dim": 128} if kind == "qwen3" else {}))
+    cls = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama"}[kind]
     torch.manual_seed(0)
     model = getattr(transformers, f"{cls}ForCausalLM")(
         getattr(transformers, f"{cls}Config")(**shape)).eval()
@@ -198,7 +201,7 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['cont
           "{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
 def test_a_tokenizer_json_model_goes_out_as_gpt2_with_its_own_template(tmp_path, kind):
     from hf_tokenizers import HARD_TEXTS
 
@@ -206,9 +209,9 @@ def test_a_tokenizer_json_model_goes_out_as_gpt2_with_its_own_template(tmp_path,
     out = export_gguf(model_dir, tmp_path / "m.gguf")
     meta = fields(out)
     tok = Tokenizer.load(model_dir)
-    assert meta["general.architecture"] == ("qwen2" if kind == "qwen2" else "llama")
+    assert meta["general.architecture"] == kind
     assert meta["tokenizer.ggml.model"] == "gpt2"
-    assert meta["tokenizer.ggml.pre"] == ("qwen2" if kind == "qwen2" else "llama-bpe")
+    assert meta["tokenizer.ggml.pre"] == ("llama-bpe" if kind == "llama" else "qwen2")
     assert len(meta["tokenizer.ggml.tokens"]) == load_model(model_dir)[0].vocab_size
     assert meta["tokenizer.chat_template"] == CHATML
     assert meta["tokenizer.ggml.eot_token_id"] == tok.token_to_id("<|im_end|>")
