@@ -268,11 +268,14 @@ def test_a_model_no_gguf_architecture_computes_is_refused_in_one_line(tmp_path, 
     assert "\n" not in str(e.value) and not (tmp_path / "odd.gguf").exists()
 
 
-def test_a_text_rewriting_tokenizer_is_refused(tmp_path):
-    sp = write_sp(tmp_path / "tokenizer.model", normalization="nfkc")
+@pytest.mark.parametrize("option, message", [({"normalization": "nfkc"}, "applies none"),
+                                             ({"byte_fallback": False}, "no byte-fallback")])
+def test_a_tokenizer_llama_cpp_would_read_otherwise_is_refused(tmp_path, option, message):
+    sp = write_sp(tmp_path / "tokenizer.model", **option)
     model_dir = make_model_dir(tmp_path / "model", sp)
-    with pytest.raises(InputError, match="llama.cpp applies none"):
+    with pytest.raises(InputError, match=message) as e:
         export_gguf(model_dir, tmp_path / "m.gguf")
+    assert "\n" not in str(e.value) and not (tmp_path / "m.gguf").exists()
 
 
 # --- llama.cpp itself (opt-in: llama-cpp-python builds llama.cpp from source) -----------

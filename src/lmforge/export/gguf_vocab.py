@@ -96,6 +96,11 @@ def _sp_vocab(path: Path) -> Vocab:
         kind = model_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)
         raise InputError(f"{path}: a sentencepiece {kind} model; llama.cpp's 'llama' "
                          "vocabulary encodes by BPE merges (tokenizer.model_type: bpe)")
+    if not proto.trainer_spec.byte_fallback:
+        # llama.cpp spells a character outside the pieces as byte pieces, and has no
+        # unknown-token path for it.
+        raise InputError(f"{path}: no byte-fallback pieces, which llama.cpp needs for text "
+                         "outside the vocabulary (tokenizer.byte_fallback: true)")
     return Vocab(model="llama", pre="default", tokens=[p.piece for p in proto.pieces],
                  types=[int(p.type) for p in proto.pieces],
                  scores=[float(p.score) for p in proto.pieces],
