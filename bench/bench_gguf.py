@@ -187,7 +187,7 @@ def main() -> None:
     ap.add_argument("--types", nargs="+", default=TYPES)
     ap.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--max-batches", type=int, default=16)
+    ap.add_argument("--max-batches", type=int, default=8)
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
     params = yaml.safe_load(Path("params.yaml").read_text())
