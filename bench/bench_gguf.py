@@ -125,10 +125,32 @@ def chat(model_dir: Path, gguf_path: Path, questions: list[str], n: int) -> dict
         got = llm.create_chat_completion([{"role": "user", "content": q}], temperature=0.0,
                                          top_k=1, repeat_penalty=1.0,
                                          max_tokens=n)["choices"][0]
+        prompt_ids = llama_prompt_ids(llm, gguf_path, [("user", q)])
+        # llama-cpp-python drops the bytes of an incomplete character; we write U+FFFD.
         rows.append({"question": q, "lmforge": ours, "llama_cpp": got["message"]["content"],
-                     "equal": ours == got["message"]["content"],
+                     "equal": ours.replace("\ufffd", "") == got["message"]["content"],
+                     "prompt_ids_equal": prompt_ids == session.format.generation_prompt(
+                         [("user", q)]),
                      "lmforge_stopped": stopped, "llama_cpp_finish": got["finish_reason"]})
-    return {"rows": rows, "all_equal": all(r["equal"] for r in rows)}
+    return {"rows": rows, "all_equal": all(r["equal"] for r in rows),
+            "prompt_ids_equal": all(r["prompt_ids_equal"] for r in rows)}
+
+
+def llama_prompt_ids(llm, gguf_path: Path, turns: list[tuple[str, str]]) -> list[int]:
+    """The ids llama-cpp-python's chat handler feeds the model: the file's template
+    rendered by its Jinja formatter, tokenized with special tokens parsed."""
+    from gguf import GGUFReader
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    meta = {k: f.contents() for k, f in GGUFReader(str(gguf_path)).fields.items()
+            if k.startswith(("tokenizer.chat", "tokenizer.ggml.bos", "tokenizer.ggml.eos"))}
+    fmt = Jinja2ChatFormatter(meta["tokenizer.chat_template"],
+                              eos_token=llm.detokenize([meta["tokenizer.ggml.eos_token_id"]],
+                                                       special=True).decode(),
+                              bos_token=llm.detokenize([meta["tokenizer.ggml.bos_token_id"]],
+                                                       special=True).decode())
+    text = fmt(messages=[{"role": r, "content": c} for r, c in turns]).prompt
+    return llm.tokenize(text.encode(), add_bos=False, special=True)
 
 
 def bits_per_byte(lm: torch.nn.Module, seq_len: int, batch_size: int, max_batches: int
@@ -206,7 +228,8 @@ def main() -> None:
         path = export_gguf(model_dir, args.out_dir / f"{name}-f32.gguf")
         figures[f"chat_{name}"] = c = chat(model_dir, path, params["evaluate_post"]["prompts"],
                                            params["evaluate_post"]["max_new_tokens"])
-        print(f"chat {name}: all equal {c['all_equal']}", flush=True)
+        print(f"chat {name}: all equal {c['all_equal']}, prompt ids equal "
+              f"{c['prompt_ids_equal']}", flush=True)
         for r in c["rows"]:
             print("  " + json.dumps(r, ensure_ascii=False), flush=True)
     figures["types"] = type_table(args.base, args.out_dir, args.types, args.batch_size,
