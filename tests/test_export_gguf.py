@@ -332,3 +332,33 @@ def llama_prompt_ids(llm, gguf_path: Path, turns: list[tuple[str, str]]) -> list
                               bos_token=tokens[meta["tokenizer.ggml.bos_token_id"]])
     text = fmt(messages=[{"role": r, "content": c} for r, c in turns]).prompt
     return llm.tokenize(text.encode(), add_bos=False, special=True)
+
+
+@pytest.mark.skipif(not LLAMA_CPP, reason="set LMFORGE_LLAMA_CPP=1 (needs llama-cpp-python)")
+def test_llama_cpp_stops_a_reply_at_our_end_of_turn(tmp_path, sp_chat):
+    """A model made to close its turn at once: llama.cpp must stop there too (the file's
+    end-of-turn id), with an empty reply, as lmforge chat does."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from lmforge.chat import ChatSession
+
+    model_dir = make_model_dir(tmp_path / "model", sp_chat, tie_embeddings=False)
+    model, config = load_model(model_dir)
+    tok = Tokenizer.load(sp_chat)
+    end = tok.token_to_id("<|end|>")
+    with torch.no_grad():  # dimension 0 of the residual stream: 1 at every position
+        model.tok_embeddings.weight[:, 0] = 1.0
+        for layer in model.layers:
+            layer.attn.wo.weight[0] = 0.0
+            layer.mlp.w2.weight[0] = 0.0
+        model.norm.weight[0] = 1.0
+        model.lm_head.weight[end, 0] = 100.0  # so <|end|> has the largest logit
+    save_model(model, tmp_path / "stops", sp_chat, special_ids=config["special_ids"],
+               tokenizer_sha256=tok.sha256)
+    out = export_gguf(tmp_path / "stops", tmp_path / "stops.gguf")
+    session = ChatSession(model, tok, max_new_tokens=16)
+    assert session.reply("Which token is next?") == "" and session.last_ids == [end]
+    llm = llama_cpp.Llama(str(out), n_ctx=64, verbose=False)
+    got = llm.create_chat_completion([{"role": "user", "content": "Which token is next?"}],
+                                     temperature=0.0, top_k=1, max_tokens=16,
+                                     repeat_penalty=1.0)["choices"][0]
+    assert got["message"]["content"] == "" and got["finish_reason"] == "stop"
