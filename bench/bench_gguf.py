@@ -161,40 +161,52 @@ def bits_per_byte(lm: torch.nn.Module, seq_len: int, batch_size: int, max_batche
     return score.as_dict(mixture)["mix_weighted"]["bits_per_byte"]
 
 
-def type_table(base: Path, out_dir: Path, types: list[str], batch_size: int,
-               max_batches: int) -> list[dict]:
-    """Size and val bits/byte (llama.cpp, transformers' reader) of each exported type."""
-    import transformers
-
+def type_table(base: Path, out_dir: Path, types: list[str], llama_types: set[str],
+               external: list[str], batch_size: int, max_batches: int) -> list[dict]:
+    """Size and val bits/byte (transformers' reader; llama.cpp for ``llama_types``) of each
+    exported type, and of ``external`` NAME=PATH files (llama-quantize's k-quants)."""
     model, _ = load_model(base)
     seq_len = model.config.seq_len
     rows = [{"type": "lmforge (safetensors)", "mib": (base / "model.safetensors").stat().st_size
              / 2**20, "bpb_transformers": bits_per_byte(model, seq_len, batch_size, max_batches)}]
+    files = []
     for qtype in types:
         path = out_dir / f"base-{qtype}.gguf"
         t0 = time.perf_counter()
         export_gguf(base, path, qtype=qtype)
-        seconds = time.perf_counter() - t0
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(out_dir), gguf_file=path.name, dtype=torch.float32).eval()
-        with torch.no_grad():
-            bpb_hf = bits_per_byte(HFLM(hf), seq_len, batch_size, max_batches)
-            bpb_cpp = bits_per_byte(LlamaCppLM(open_llama(path, seq_len)), seq_len,
-                                    batch_size, max_batches)
-        rows.append({"type": qtype, "mib": path.stat().st_size / 2**20, "export_s": seconds,
-                     "bpb_llama_cpp": bpb_cpp, "bpb_transformers": bpb_hf})
-        print(f"  {qtype}: {rows[-1]['mib']:.2f} MiB, bpb llama.cpp {bpb_cpp:.4f}, "
-              f"transformers {bpb_hf:.4f} ({seconds:.1f} s export)", flush=True)
+        files.append((qtype, path, time.perf_counter() - t0))
+    files += [(n, Path(p), None) for n, p in (e.split("=", 1) for e in external)]
+    for name, path, seconds in files:
+        row = {"type": name, "mib": path.stat().st_size / 2**20, "export_s": seconds,
+               "bpb_transformers": gguf_bits_per_byte(path, seq_len, batch_size, max_batches)}
+        if name in llama_types:
+            with torch.no_grad():
+                row["bpb_llama_cpp"] = bits_per_byte(LlamaCppLM(open_llama(path, seq_len)),
+                                                     seq_len, batch_size, max_batches)
+        rows.append(row)
+        print("  " + json.dumps(row), flush=True)
     return rows
+
+
+def gguf_bits_per_byte(path: Path, seq_len: int, batch_size: int, max_batches: int) -> float:
+    """Val bits/byte of a GGUF file through transformers' reader (dequantised, fp32)."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return bits_per_byte(HFLM(hf), seq_len, batch_size, max_batches)
 
 
 def print_table(rows: list[dict]) -> None:
     f32 = next(r for r in rows if r["type"] == "f32")
+    f32.setdefault("bpb_llama_cpp", None)
     print(f"{'type':<22}{'MiB':>8}{'size/f32':>10}{'bpb llama.cpp':>15}{'/f32':>8}"
           f"{'bpb transformers':>18}{'/f32':>8}")
     for r in rows:
         cpp = r.get("bpb_llama_cpp")
-        cpp_s = f"{cpp:>15.4f}{cpp / f32['bpb_llama_cpp']:>8.4f}" if cpp else f"{'-':>15}{'':>8}"
+        cpp_s = (f"{cpp:>15.4f}{cpp / f32['bpb_llama_cpp']:>8.4f}"
+                 if cpp and f32["bpb_llama_cpp"] else f"{'-':>15}{'':>8}")
         print(f"{r['type']:<22}{r['mib']:>8.2f}{r['mib'] / f32['mib']:>10.3f}{cpp_s}"
               f"{r['bpb_transformers']:>18.4f}"
               f"{r['bpb_transformers'] / f32['bpb_transformers']:>8.4f}")
@@ -207,23 +219,29 @@ def main() -> None:
     ap.add_argument("--dpo", type=Path, default=None)
     ap.add_argument("--out-dir", type=Path, default=Path("gguf-bench"))
     ap.add_argument("--types", nargs="+", default=TYPES)
+    ap.add_argument("--llama-cpp-types", nargs="+", default=TYPES,
+                    help="types also scored through llama.cpp's logits")
+    ap.add_argument("--external", nargs="*", default=[],
+                    help="NAME=PATH GGUF files made elsewhere (llama-quantize), scored too")
+    ap.add_argument("--sections", nargs="+", default=["continuation", "chat", "types"])
     ap.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--max-batches", type=int, default=8)
-    ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--json", type=Path, help="also write the figures here (after each part)")
     args = ap.parse_args()
     params = yaml.safe_load(Path("params.yaml").read_text())
     args.out_dir.mkdir(parents=True, exist_ok=True)
     figures: dict = {"tokens": args.tokens, "max_batches": args.max_batches,
                      "batch_size": args.batch_size}
-    for qtype in ("f32", "f16"):
+    for qtype in ("f32", "f16") if "continuation" in args.sections else ():
         path = export_gguf(args.base, args.out_dir / f"base-{qtype}.gguf", qtype=qtype)
         figures[f"continuation_{qtype}"] = c = continuation(
             args.base, path, params["evaluate"]["prompts"], args.tokens)
         print(f"continuation {qtype}: all equal {c['all_equal']} (>= {c['min_tokens']} "
               f"tokens each), max |dlogprob| {c['max_abs_logprob_diff']:.2e}", flush=True)
+        save(args.json, figures)
     for name, model_dir in (("sft", args.sft), ("dpo", args.dpo)):
-        if model_dir is None:
+        if model_dir is None or "chat" not in args.sections:
             continue
         path = export_gguf(model_dir, args.out_dir / f"{name}-f32.gguf")
         figures[f"chat_{name}"] = c = chat(model_dir, path, params["evaluate_post"]["prompts"],
@@ -232,11 +250,18 @@ def main() -> None:
               f"{c['prompt_ids_equal']}", flush=True)
         for r in c["rows"]:
             print("  " + json.dumps(r, ensure_ascii=False), flush=True)
-    figures["types"] = type_table(args.base, args.out_dir, args.types, args.batch_size,
-                                  args.max_batches)
-    print_table(figures["types"])
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=1, ensure_ascii=False) + "\n")
+        save(args.json, figures)
+    if "types" in args.sections:
+        figures["types"] = type_table(args.base, args.out_dir, args.types,
+                                      set(args.llama_cpp_types), args.external,
+                                      args.batch_size, args.max_batches)
+        save(args.json, figures)
+        print_table(figures["types"])
+
+
+def save(path: Path | None, figures: dict) -> None:
+    if path is not None:
+        path.write_text(json.dumps(figures, indent=1, ensure_ascii=False) + "\n")
 
 
 if __name__ == "__main__":
