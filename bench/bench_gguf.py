@@ -30,7 +30,7 @@ import yaml
 
 from lmforge.chat import ChatSession
 from lmforge.evaluate.scoring import score_split
-from lmforge.export import export_gguf
+from lmforge.export.gguf import export_gguf
 from lmforge.model.generate import generate
 from lmforge.model.saved import load_model
 from lmforge.shards.loader import ShardSet

@@ -16,7 +16,8 @@ import torch
 from lmforge.cli import main
 from lmforge.config import CHAT_MARKERS, ModelConfig
 from lmforge.errors import InputError
-from lmforge.export import export_gguf, import_hf
+from lmforge.export import import_hf
+from lmforge.export.gguf import export_gguf
 from lmforge.export.gguf_tensors import permute_qk
 from lmforge.export.gguf_vocab import pre_tokenizer_name
 from lmforge.finetune.template import CHAT_TEMPLATE, generation_prompt

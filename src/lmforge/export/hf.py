@@ -321,8 +321,9 @@ def cmd_import(args: argparse.Namespace) -> None:
     print(f"imported {args.in_dir} -> {out}")
 
 
-def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``export hf OUT_DIR [--model DIR] [--force]``."""
+def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """Register ``export hf OUT_DIR [--model DIR] [--force]``; return the formats'
+    subparsers, where ``export gguf`` registers too."""
     export = subparsers.add_parser("export", help="export a trained model to another format")
     formats = export.add_subparsers(dest="format", required=True)
     hf = formats.add_parser("hf", help="Hugging Face format (the model's family: Llama, "
@@ -333,9 +334,7 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
     hf.add_argument("--force", action="store_true",
                     help="replace OUT_DIR even if lmforge did not write it")
     hf.set_defaults(func=cmd_export)
-    from lmforge.export.gguf import add_gguf_parser  # after hf: `export --help` lists it second
-
-    add_gguf_parser(formats)
+    return formats
 
 
 def add_import_parser(subparsers: argparse._SubParsersAction) -> None:
