@@ -11,6 +11,7 @@ from lmforge.data.filter_cli import add_filter_parser
 from lmforge.errors import InputError, LmforgeError
 from lmforge.evaluate.harness_cli import add_eval_parser
 from lmforge.export import add_export_parser, add_import_parser
+from lmforge.export.gguf import add_gguf_parser
 from lmforge.mixture.cli import add_mix_parser
 from lmforge.shards.inspect import add_inspect_parser
 from lmforge.train.checkpoints_cli import add_checkpoints_parser
@@ -86,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     add_chat_parser(sub)
-    add_export_parser(sub)
+    add_gguf_parser(add_export_parser(sub))
     add_import_parser(sub)
     add_inspect_parser(sub)
     add_train_parser(sub)

@@ -62,14 +62,7 @@ def export_hf(model_dir: str | Path, out_dir: str | Path, *, force: bool = False
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     _check_writable(out_dir, model_dir, force)
     model, config = load_model(model_dir)
-    tok_path = find_tokenizer(model_dir)
-    if tok_path is None:
-        raise InputError(f"{model_dir}: no tokenizer beside the model ({HF_FILE} or "
-                         f"{TOKENIZER_MODEL}; run the train stage)")
-    want = config.get("tokenizer_sha256")
-    if want and _sha256(tok_path) != want:
-        raise InputError(f"{tok_path}: does not match the tokenizer the model was trained with "
-                         f"(sha256 {want[:12]})")
+    tok_path = model_tokenizer(model_dir, config)
     special = config.get("special_ids") or {}
     end_id = _chat_end_id(tok_path)
     state = to_hf_state(model_state(model))
@@ -89,6 +82,20 @@ def export_hf(model_dir: str | Path, out_dir: str | Path, *, force: bool = False
         _write_marker(tmp, "export hf", model_dir,
                       tokenizer="hf" if is_hf_file(tok_path) else "sentencepiece")
     return out_dir
+
+
+def model_tokenizer(model_dir: Path, config: dict[str, Any]) -> Path:
+    """The tokenizer file beside the model, checked against the one it was trained with
+    (``tokenizer_sha256`` in its config.json); one line when missing or different."""
+    tok_path = find_tokenizer(model_dir)
+    if tok_path is None:
+        raise InputError(f"{model_dir}: no tokenizer beside the model ({HF_FILE} or "
+                         f"{TOKENIZER_MODEL}; run the train stage)")
+    want = config.get("tokenizer_sha256")
+    if want and _sha256(tok_path) != want:
+        raise InputError(f"{tok_path}: does not match the tokenizer the model was trained with "
+                         f"(sha256 {want[:12]})")
+    return tok_path
 
 
 def _chat_end_id(tok_path: Path) -> int | None:
@@ -314,8 +321,9 @@ def cmd_import(args: argparse.Namespace) -> None:
     print(f"imported {args.in_dir} -> {out}")
 
 
-def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``export hf OUT_DIR [--model DIR] [--force]``."""
+def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """Register ``export hf OUT_DIR [--model DIR] [--force]``; return the formats'
+    subparsers, where ``export gguf`` registers too."""
     export = subparsers.add_parser("export", help="export a trained model to another format")
     formats = export.add_subparsers(dest="format", required=True)
     hf = formats.add_parser("hf", help="Hugging Face format (the model's family: Llama, "
@@ -326,6 +334,7 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
     hf.add_argument("--force", action="store_true",
                     help="replace OUT_DIR even if lmforge did not write it")
     hf.set_defaults(func=cmd_export)
+    return formats
 
 
 def add_import_parser(subparsers: argparse._SubParsersAction) -> None:
