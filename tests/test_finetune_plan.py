@@ -296,7 +296,7 @@ def test_modes_order_and_verdicts_name_the_largest_row():
     for p in fits.values():
         col = "no_ac" if p["no_ac"]["fits"] else "ac"
         label, size = fp._largest_part(p, col)
-        assert label in p["verdict"] and pl._size(size) in p["verdict"]
+        assert label in p["verdict"] and pl.format_size(size) in p["verdict"]
 
 
 # --------------------------------------------------------------------------- command line

@@ -331,7 +331,7 @@ def verdict(p: dict[str, Any]) -> str:
     """One line: whether the micro-batch fits, with or without checkpointing, and why."""
     no, ac, budget = p["no_ac"], p["ac"], p["budget_bytes"]
     mb, seq = p["micro_batch"], p["model"]["seq_len"]
-    size, at = pl._size, f"micro-batch {mb} x {seq} tokens"
+    size, at = pl.format_size, f"micro-batch {mb} x {seq} tokens"
     if no["fits"]:
         label, big = _largest_part(p, "no_ac")
         return (f"fits: {at} takes {size(no['total'])} of the {size(budget)} budget (up to "
@@ -359,12 +359,12 @@ def format_table(p: dict[str, Any], source: str) -> str:
     what = {"full": "full fine-tuning",
             "lora": f"LoRA r={p.get('rank')} on {','.join(p.get('targets', []))}",
             "qlora": f"QLoRA (NF4 base) r={p.get('rank')} on {','.join(p.get('targets', []))}"}
-    extra = (f", {pl._count(p['adapter_params'])} adapter parameters"
+    extra = (f", {pl.format_count(p['adapter_params'])} adapter parameters"
              if p["mode"] != "full" else "")
     knobs = [p["precision"]] + ([] if p["fused_loss"] else ["plain loss"]) + (
         ["doc_mask"] if m["doc_mask"] else [])
     where = "GiB GPU" if p["device"] == "cuda" else "GiB CPU RAM"
-    lines = [f"lmforge plan: {what[p['mode']]} of {pl._count(p['params'])} parameters "
+    lines = [f"lmforge plan: {what[p['mode']]} of {pl.format_count(p['params'])} parameters "
              f"({source}, vocab {p['vocab']}){extra}, seq_len {m['seq_len']}, "
              f"{', '.join(knobs)}, 1 x {p['device_bytes'] / pl.GIB:g} {where}",
              f"{'':32}{'no AC':>13}{'AC':>13}"]
@@ -374,13 +374,13 @@ def format_table(p: dict[str, Any], source: str) -> str:
 
     cols = ("no_ac", "ac")
     for key, label in p["labels"].items():
-        row(label, [pl._size(p[c][key]) for c in cols])
-    row("activations/seq", [pl._size(p[c]["activations_per_seq"]) for c in cols])
+        row(label, [pl.format_size(p[c][key]) for c in cols])
+    row("activations/seq", [pl.format_size(p[c]["activations_per_seq"]) for c in cols])
     row(f"total @ micro-batch {p['micro_batch']}",
-        [pl._size(p[c]["total"]) + ("" if p[c]["fits"] else "!") for c in cols])
+        [pl.format_size(p[c]["total"]) + ("" if p[c]["fits"] else "!") for c in cols])
     row("fits micro-batch", [str(p[c]["max_micro_batch"]) for c in cols])
-    lines.append(f"budget {pl._size(p['budget_bytes'])} = {p['device_bytes'] / pl.GIB:g} GiB"
-                 f" - reserve {pl._size(p['reserve_bytes'])} (fixed + {pl.FRAGMENTATION:.0%} "
+    lines.append(f"budget {pl.format_size(p['budget_bytes'])} = {p['device_bytes'] / pl.GIB:g} GiB"
+                 f" - reserve {pl.format_size(p['reserve_bytes'])} (fixed + {pl.FRAGMENTATION:.0%} "
                  "for fragmentation); '!' = over budget; AC = activation checkpointing")
     lines.append(f"verdict: {p['verdict']}")
     return "\n".join(lines)

@@ -438,7 +438,7 @@ def plan(s: Setup, device_gib: float, micro_batch: int,
 # --------------------------------------------------------------------------- command line
 
 
-def _size(n: int) -> str:
+def format_size(n: int) -> str:
     if n == 0:
         return "0"
     if n < GIB:
@@ -446,7 +446,7 @@ def _size(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def _count(n: int) -> str:
+def format_count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
@@ -456,7 +456,7 @@ def format_table(p: dict[str, Any], source: str) -> str:
     knobs = ([p["precision"]] + (["activation checkpointing"] if p["activation_checkpointing"]
                                  else []) + ([] if p["fused_loss"] else ["plain loss"])
              + (["doc_mask"] if m["doc_mask"] else []))
-    lines = [f"lmforge plan: {_count(p['params'])} parameters ({source}, vocab {p['vocab']}), "
+    lines = [f"lmforge plan: {format_count(p['params'])} parameters ({source}, vocab {p['vocab']}), "
              f"seq_len {m['seq_len']}, {', '.join(knobs)}, {p['world']} x "
              f"{p['device_bytes'] / GIB:g} GiB",
              f"{'':28}{'ddp':>13}{'fsdp':>13}"]
@@ -465,15 +465,15 @@ def format_table(p: dict[str, Any], source: str) -> str:
         lines.append(f"{label:28}" + "".join(f"{c:>13}" for c in cells))
 
     for key, label in ROWS:
-        row(label, ["-" if key in _NOT_APPLICABLE[st] else _size(p[st][key])
+        row(label, ["-" if key in _NOT_APPLICABLE[st] else format_size(p[st][key])
                     for st in STRATEGIES])
-    row("activations/seq", [_size(p[st]["activations_per_seq"]) for st in STRATEGIES])
+    row("activations/seq", [format_size(p[st]["activations_per_seq"]) for st in STRATEGIES])
     mb = p["micro_batch"]
-    row(f"total @ micro-batch {mb}", [_size(p[st]["total"]) + ("" if p[st]["fits"] else "!")
+    row(f"total @ micro-batch {mb}", [format_size(p[st]["total"]) + ("" if p[st]["fits"] else "!")
                                       for st in STRATEGIES])
     row("fits micro-batch", [str(p[st]["max_micro_batch"]) for st in STRATEGIES])
-    lines.append(f"budget {_size(p['budget_bytes'])} = {p['device_bytes'] / GIB:g} GiB - "
-                 f"reserve {_size(p['reserve_bytes'])} (CUDA context and workspaces + "
+    lines.append(f"budget {format_size(p['budget_bytes'])} = {p['device_bytes'] / GIB:g} GiB - "
+                 f"reserve {format_size(p['reserve_bytes'])} (CUDA context and workspaces + "
                  f"{FRAGMENTATION:.0%} for allocator fragmentation); '!' = over budget")
     lines.append("assumes flash / memory-efficient SDPA (no s x s scores), eager autograd "
                  "(torch.compile keeps less), gradients resident; GiB = 2^30 bytes")
