@@ -439,6 +439,7 @@ def plan(s: Setup, device_gib: float, micro_batch: int,
 
 
 def format_size(n: int) -> str:
+    """Bytes as the tables print them: MiB under a GiB, GiB above."""
     if n == 0:
         return "0"
     if n < GIB:
@@ -447,6 +448,7 @@ def format_size(n: int) -> str:
 
 
 def format_count(n: int) -> str:
+    """A parameter count in billions or millions."""
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
