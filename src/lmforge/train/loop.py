@@ -237,7 +237,9 @@ def build_model(params: Params, vocab: int, env: DistEnv, bf16: bool, compile_bl
         if cfg.lora is not None:
             lora = cfg.lora
             apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.targets)
-            hold_frozen_in(model, lora.base_dtype)  # after wrapping: adapters stay fp32
+            # After wrapping, so adapters stay fp32; resolved here too for direct callers.
+            hold_frozen_in(model, resolve_base_dtype(lora.base_dtype, env.device, cfg.strategy,
+                                                     f"{section_name(cfg)}.lora.base_dtype"))
         if cfg.strategy == "fsdp":  # from a checkpoint file: whole, then sharded
             ensure_process_group(env)
             shard_model(model, env, bf16, compile_blocks)
