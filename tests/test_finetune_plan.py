@@ -177,9 +177,10 @@ def test_nf4_dequantization_peak_is_planned():
     assert fp.NF4_DEQUANT_BYTES <= live.peak / weight.numel() < fp.NF4_DEQUANT_BYTES + 0.1
 
 
-def test_nf4_needs_whole_scaler_blocks():
-    with pytest.raises(Exception, match="to_nf4"):
-        fp.nf4_bytes(64 * 100)
+def test_nf4_needs_a_scaler_block_that_divides():
+    assert fp.nf4_bytes(64 * 100) == 64 * 100 // 2 + 100 + 2 * (100 + 1 + 16)
+    with pytest.raises(Exception, match="no NF4 scaler block"):
+        fp.nf4_bytes(64 * 257)
 
 
 # --------------------------------------------------------------------------- vs autograd

@@ -36,8 +36,10 @@ from lmforge.train import runs
 
 # n_embd 128: every block matrix (128x128, 384x128) is a whole number of 64*256 weights.
 CFG = ModelConfig(n_layer=2, n_head=4, n_embd=128, seq_len=32)
-# n_kv_head 2: wk and wv are 64x128 = 8192 weights, too few for one scaler block.
+# n_kv_head 2: wk and wv are 64x128 = 8192 weights, 128 blocks: a scaler block of 128.
 GQA = dataclasses.replace(CFG, n_kv_head=2)
+# SmolLM2-135M's widths: 576 * 576 is 5,184 blocks of 64 (no whole number of 256s).
+SMOL = ModelConfig(n_layer=1, n_head=9, n_kv_head=3, n_embd=576, seq_len=16)
 VOCAB = 300
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
                                    reason="torchao is not installed (lmforge[qlora])")
@@ -63,7 +65,8 @@ def round_trip(model: Llama) -> Llama:
         for name, m in ref.named_modules():
             if (type(m) is torch.nn.Linear and name.startswith("layers.")
                     and frozen.nf4_fits(m.weight.numel())):
-                m.weight.copy_(to_nf4(m.weight.bfloat16(), 64, 256).get_original_weight())
+                block = frozen.nf4_scaler_block(m.weight.numel())
+                m.weight.copy_(to_nf4(m.weight.bfloat16(), 64, block).get_original_weight())
     return ref
 
 
@@ -103,19 +106,31 @@ def test_block_linears_are_nf4_the_adapters_fp32_and_the_rest_fp32_on_a_cpu():
         leaf = name.split(".")[-3] if name.endswith("base.weight") else ""
         if p.requires_grad:
             assert "lora_" in name and p.dtype == torch.float32 and not is_nf4(p), name
-        elif leaf in ("wq", "wo", "w1", "w2", "w3"):
-            assert is_nf4(p) and (p.block_size, p.scaler_block_size) == (64, 256), name
+        elif leaf in ("wq", "wk", "wv", "wo", "w1", "w2", "w3"):
+            scaler_block = 128 if leaf in ("wk", "wv") else 256
+            assert is_nf4(p) and (p.block_size, p.scaler_block_size) == (64, scaler_block), name
             assert p.quantized_data.dtype == torch.uint8 and not p.requires_grad
             held += nf4_nbytes(p)
-        else:  # wk, wv (too small), embeddings (the tied head), norms: fp32 on a CPU
+        else:  # embeddings (the tied head), norms: fp32 on a CPU
             assert not is_nf4(p) and p.dtype == torch.float32, name
             held += p.numel() * 4
     adapters = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
     assert saved == sum(before.values()) - adapters - held
 
 
+@pytest.mark.parametrize(("shape", "block"), [
+    ((128, 128), 256), ((64, 128), 128), ((576, 576), 216), ((192, 576), 216),
+    ((1536, 576), 256), ((65, 64), 65), ((16, 64), 0), ((257, 64), 0), ((10, 10), 0)])
+def test_the_nf4_scaler_block_is_the_largest_divisor_from_256_down_to_32(shape, block):
+    numel = shape[0] * shape[1]
+    assert frozen.nf4_scaler_block(numel) == block
+    assert frozen.nf4_fits(numel) == (block > 0)
+    if block:
+        assert (numel // 64) % block == 0
+
+
 @needs_torchao
-@pytest.mark.parametrize("cfg", [CFG, GQA], ids=["mha", "gqa"])
+@pytest.mark.parametrize("cfg", [CFG, GQA, SMOL], ids=["mha", "gqa", "smollm2-widths"])
 def test_nf4_bytes_equal_the_plans_qlora_row(cfg):
     model = adapted(cfg, targets=("attn",))
     hold_frozen_in(model, "nf4")
@@ -127,12 +142,19 @@ def test_nf4_bytes_equal_the_plans_qlora_row(cfg):
 
 
 @needs_torchao
-@pytest.mark.parametrize("fused_loss", [True, False])
-def test_nf4_model_computes_as_its_dequantised_round_trip(fused_loss):
+@pytest.mark.parametrize(("cfg", "fused_loss"), [(GQA, True), (GQA, False), (SMOL, True)],
+                         ids=["gqa-fused", "gqa", "smollm2-widths"])
+def test_nf4_model_computes_as_its_dequantised_round_trip(cfg, fused_loss):
     """fp32 compute on a CPU: the logits, loss and adapter gradients of the NF4-held model
     equal, to the bit, those of an fp32 model holding the dequantised weights (the NF4
     error itself is the round trip's, a few % of a weight: not what this checks)."""
-    model = adapted(GQA)
+    model = adapted(cfg)
+    if cfg is SMOL:  # every block matrix, 576 wide included, is held in NF4
+        hold = copy.deepcopy(model)
+        hold_frozen_in(hold, "nf4")
+        blocks = [(n, p) for n, p in hold.named_parameters()
+                  if n.startswith("layers.") and not p.requires_grad and "norm" not in n]
+        assert len(blocks) == 7 and all(is_nf4(p) for _, p in blocks), blocks
     reference = round_trip(model)
     hold_frozen_in(model, "nf4")
     x, y = torch.randint(0, VOCAB, (2, 2, 16))
@@ -180,11 +202,13 @@ def test_nf4_under_bf16_autocast_matches_its_round_trip_and_trains_the_adapters(
 
 
 @needs_torchao
-@pytest.mark.parametrize("targets", [("attn", "mlp"), ("attn",)])
-def test_merging_an_nf4_base_gives_an_fp32_model_equal_to_the_unmerged(targets):
-    model = adapted(GQA, targets)
+@pytest.mark.parametrize(("cfg", "targets"), [(GQA, ("attn", "mlp")), (GQA, ("attn",)),
+                                              (SMOL, ("attn", "mlp"))])
+def test_merging_an_nf4_base_gives_an_fp32_model_equal_to_the_unmerged(cfg, targets):
+    model = adapted(cfg, targets)
     hold_frozen_in(model, "nf4")
-    merged = restore_fp32(merge_lora(copy.deepcopy(model)))  # sft.py's save path
+    merged = restore_fp32(merge_lora(frozen.copy_model(model)))  # sft.py's save path
+    assert all(is_nf4(p) for n, p in model.named_parameters() if n.endswith("wq.base.weight"))
     assert all(p.dtype == torch.float32 and not is_nf4(p) for p in merged.parameters())
     assert type(merged.layers[0].mlp.w2) is torch.nn.Linear and not lora_modules(merged)
     x = torch.randint(0, VOCAB, (2, 16))

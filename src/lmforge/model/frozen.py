@@ -19,7 +19,9 @@ QLoRA (``nf4``): the frozen Linear weights of the blocks (attention and MLP, the
 under LoRA adapters too) become torchao NF4 tensors (``to_nf4``: 4-bit codes, a scaler
 per 64 weights, the scalers quantised in blocks of 256), quantised from their bf16 cast
 on any device so a run's codes do not depend on where it runs; a matrix whose size is
-not a whole number of scaler blocks (64 * 256 weights) stays with the rest. The rest
+whose 64-weight blocks do not divide into scaler blocks of 32 to 256 stays with the rest
+(256, torchao's default, where it divides; else the largest divisor below it, so
+SmolLM2's 576-wide projections are held in NF4 too). The rest
 (embeddings, a tied or untied head, norms, biases) is held as ``auto`` holds a base on
 the device: bf16 on a GPU (fp16 without bf16), fp32 on a CPU, where 16-bit storage costs
 a cast per use and is slower (bench/RESULTS.md). torchao is optional
@@ -39,6 +41,7 @@ back into plain fp32 layers, for saving a merged model.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -50,8 +53,11 @@ from lmforge.errors import ConfigError
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BASE_DTYPES = (*DTYPES, "nf4")
 # torchao's to_nf4 defaults: 64 weights share a scaler; the scalers are quantised to int8
-# in blocks of 256, so a matrix must hold a whole number of 64 * 256 weights.
-NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+# in blocks of 256, so a matrix must hold a whole number of 64 * 256 weights. Where it
+# does not (576 * 576 is 5,184 blocks), a smaller scaler block that divides is used: the
+# scalers' factors cost 2 bytes a block of scalers, so any block from 32 up costs under
+# 0.01 bit a weight more than 256.
+NF4_BLOCK, NF4_SCALER_BLOCK, NF4_MIN_SCALER_BLOCK = 64, 256, 32
 QLORA_EXTRA = "pip install 'lmforge[qlora]'"
 
 
@@ -90,9 +96,19 @@ def is_nf4(t: torch.Tensor) -> bool:
     return any(c.__name__ == "NF4Tensor" for c in type(t).__mro__)
 
 
+def nf4_scaler_block(numel: int) -> int:
+    """The scaler block size a matrix of ``numel`` weights is quantised with: the largest
+    from 256 down to 32 that divides its number of 64-weight blocks; 0 if none does."""
+    if numel % NF4_BLOCK:
+        return 0
+    blocks = numel // NF4_BLOCK
+    return next((s for s in range(NF4_SCALER_BLOCK, NF4_MIN_SCALER_BLOCK - 1, -1)
+                 if blocks % s == 0), 0)
+
+
 def nf4_fits(numel: int) -> bool:
-    """Whether a matrix of ``numel`` weights can be held in NF4 with torchao's defaults."""
-    return numel % (NF4_BLOCK * NF4_SCALER_BLOCK) == 0
+    """Whether a matrix of ``numel`` weights can be held in NF4 (see :func:`nf4_scaler_block`)."""
+    return nf4_scaler_block(numel) > 0
 
 
 def nf4_nbytes(t: torch.Tensor) -> int:
@@ -226,11 +242,19 @@ def quantize_block_linears(model: nn.Module) -> int:
                 or module.weight.requires_grad or not nf4_fits(module.weight.numel())):
             continue
         w = module.weight
-        nf4 = to_nf4(w.detach().to(torch.bfloat16).contiguous(), NF4_BLOCK, NF4_SCALER_BLOCK)
+        nf4 = to_nf4(w.detach().to(torch.bfloat16).contiguous(), NF4_BLOCK,
+                     nf4_scaler_block(w.numel()))
         saved += w.numel() * w.element_size() - nf4_nbytes(nf4)
         module.__class__ = CastLinear
         module.weight = nn.Parameter(nf4, requires_grad=False)
     return saved
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)`` sharing its NF4 weights instead of cloning them: they are
+    frozen, and torchao's clone re-quantises with its default scaler block, which fails
+    for the smaller blocks :func:`nf4_scaler_block` picks (and would cost a second base)."""
+    return copy.deepcopy(model, {id(p): p for p in model.parameters() if is_nf4(p)})
 
 
 def restore_fp32(model: nn.Module) -> nn.Module:

@@ -62,7 +62,7 @@ from typing import Any
 
 from lmforge.config import ModelConfig
 from lmforge.errors import ConfigError
-from lmforge.model.frozen import NF4_BLOCK, NF4_SCALER_BLOCK, nf4_fits
+from lmforge.model.frozen import NF4_BLOCK, nf4_fits, nf4_scaler_block
 from lmforge.model.llama import ffn_hidden_size
 from lmforge.model.lora import ATTN_TARGETS, MLP_TARGETS, lora_param_count_formula
 from lmforge.train import plan as pl
@@ -106,17 +106,19 @@ def nf4_bytes(numel: int, scale_bytes: int = 2) -> int:
     """Bytes of torchao's NF4Tensor of ``numel`` weights quantised from a 16-bit tensor
     (``scale_bytes`` 4 from an fp32 one).
 
-    numel/2 (two 4-bit codes a byte) + numel/64 (int8 block scalers) + 2 numel/(64*256)
-    (a factor per block of scalers) + 2 (the scalers' mean) + 16 * 2 (the NF4 table).
+    numel/2 (two 4-bit codes a byte) + numel/64 (int8 block scalers) + 2 numel/(64*s)
+    (a factor per block of s scalers, :func:`nf4_scaler_block`) + 2 (the scalers' mean)
+    + 16 * 2 (the NF4 table).
     """
-    if not nf4_fits(numel):
-        raise ConfigError(f"plan: a frozen matrix of {numel} weights is not a multiple of "
-                          f"{NF4_BLOCK * NF4_SCALER_BLOCK}, which torchao's to_nf4 needs")
+    scaler_block = nf4_scaler_block(numel)
+    if not scaler_block:
+        raise ConfigError(f"plan: a frozen matrix of {numel} weights has no NF4 scaler "
+                          f"block (its {NF4_BLOCK}-weight blocks do not divide into 32-256)")
     blocks = numel // NF4_BLOCK
-    factors = blocks // NF4_SCALER_BLOCK
-    # With one scaler block torchao's factor is a 1-element view of a 256-element tensor
-    # (double_quantize_scalers' [:, 0] stays "contiguous"), so 256 factors stay allocated.
-    held_factors = NF4_SCALER_BLOCK if factors == 1 else factors
+    factors = blocks // scaler_block
+    # With one scaler block torchao's factor is a 1-element view of an s-element tensor
+    # (double_quantize_scalers' [:, 0] stays "contiguous"), so s factors stay allocated.
+    held_factors = scaler_block if factors == 1 else factors
     return numel // 2 + blocks + scale_bytes * (held_factors + 1 + NF4_LEVELS)
 
 

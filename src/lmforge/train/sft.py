@@ -10,7 +10,6 @@ merged (``models/sft``: a plain model every tool reads) and, with LoRA, the adap
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 from lmforge.config import ModelConfig, Params, TrainConfig
 from lmforge.errors import InputError
 from lmforge.io import write_json, write_text
-from lmforge.model.frozen import restore_fp32
+from lmforge.model.frozen import copy_model, restore_fp32
 from lmforge.model.lora import adamw_state_bytes, merge_lora, save_adapter, trainable_parameters
 from lmforge.model.saved import load_model, save_model
 from lmforge.shards.format import file_sha256
@@ -131,7 +130,7 @@ def save_tuned(result: TrainResult, cfg: TrainConfig, final: Path, tokenizer: Pa
     trained = trainable_parameters(model)
     lora = cfg.lora is not None
     # Merged in fp32 and saved fp32, whatever dtype the frozen base was held in.
-    merged = restore_fp32(merge_lora(copy.deepcopy(model))) if lora else model
+    merged = restore_fp32(merge_lora(copy_model(model))) if lora else model
     save_model(merged, final, tokenizer, special_ids=special_ids(tokenizer),
                tokenizer_sha256=tokenizer_sha, fingerprint=result.fingerprint,
                init_from=cfg.init_from)
