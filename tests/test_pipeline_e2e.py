@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from lmforge.config import load_params
+from lmforge.experiments import committed_json
 from lmforge.mixture import sweep
 
 REPO = Path(__file__).resolve().parents[1]
@@ -247,7 +248,7 @@ def test_exp_run_train_param_skips_data_stages(pipeline, env):
     assert len(after) == len(before) + 3
     assert all(after[name] == files for name, files in before.items())
     diff = run(["dvc", "metrics", "diff", "HEAD", "--json"], root, env)
-    assert "metrics/eval.json" in diff
+    assert "metrics/headline/base.json" in diff
 
 
 def test_dvc_plots_page_carries_every_curve(pipeline, env):
@@ -389,7 +390,9 @@ def test_mix_sweep_queues_proxies_that_rerun_only_mix_to_evaluate_and_fits(pipel
         recorded = sweep.recorded_settings(p)
         assert recorded == {k: v for k, v in today.items() if k != "tokenizer.frozen_sha256"}
         sweep_weights.append(p["mix"]["weights"])
-        assert data["metrics"]["metrics/tokenizer.json"]["data"]["init_from"] == frozen
+        # Detail files are plain outputs, committed in the experiment's git commit.
+        tokenizer = committed_json(found[name]["rev"], cwd=str(root))["metrics/tokenizer.json"]
+        assert tokenizer["init_from"] == frozen
         logs = run(["dvc", "queue", "logs", name], root, env)
         for stage in ("ingest", "filter", "dedup"):
             assert f"Running stage '{stage}'" not in logs, logs[-3000:]

@@ -7,6 +7,7 @@ restores it, and its stages' outputs are in the DVC cache.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -88,7 +89,7 @@ def experiments() -> dict[str, dict[str, Any]]:
                          ) or "success"
             name, data = node.get("name"), node.get("data")
             if state and name and isinstance(data, dict):
-                found.setdefault(name, {"state": state,
+                found.setdefault(name, {"state": state, "rev": node.get("rev"),
                                         "metrics": _files(data.get("metrics")),
                                         "params": _files(data.get("params"))})
             for key, value in node.items():
@@ -98,6 +99,35 @@ def experiments() -> dict[str, dict[str, Any]]:
                 walk(value, state)
 
     walk(json.loads(out or "[]"), None)
+    # dvc exp show lists only the headline metrics; the stages' detail files (per-domain
+    # figures, mix shares) are plain outputs committed in each experiment's git commit.
+    for e in found.values():
+        if e["state"] == "success" and e["rev"]:
+            e["metrics"] = {**committed_json(e["rev"]), **e["metrics"]}
+    return found
+
+
+def _git(*args: str, cwd: str | None = None) -> str | None:
+    """``git args``'s stdout, or None when git fails (a revision it does not know)."""
+    try:
+        proc = subprocess.run(["git", *args], capture_output=True, text=True, cwd=cwd)
+    except FileNotFoundError:
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def committed_json(rev: str, folder: str = "metrics", cwd: str | None = None
+                   ) -> dict[str, Any]:
+    """``{path: data}`` of every JSON file under ``folder`` in git revision ``rev`` of the
+    repository at ``cwd`` ({} when git does not know the revision). A file that is no
+    JSON is left out: the reader that needs it names it as missing."""
+    names = _git("ls-tree", "-r", "--name-only", rev, "--", folder, cwd=cwd)
+    found: dict[str, Any] = {}
+    for path in (names or "").splitlines():
+        text = _git("show", f"{rev}:{path}", cwd=cwd) if path.endswith(".json") else None
+        if text is not None:
+            with contextlib.suppress(json.JSONDecodeError):
+                found[path] = json.loads(text)
     return found
 
 

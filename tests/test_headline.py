@@ -1,0 +1,116 @@
+"""metrics/headline/*.json: the few dozen figures `dvc metrics show` prints, read from the
+stages' detail files, in a table a 200-column terminal shows without wrapping."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lmforge.experiments import committed_json
+from lmforge.headline import MODELS, headline, write_headline
+
+REPO = Path(__file__).resolve().parents[1]
+METRICS = REPO / "metrics"
+
+
+def load(name: str) -> dict:
+    return json.loads((METRICS / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def mix_row(model: str, measure: str) -> dict:
+    (row,) = [r for r in load("post_detail")["forgetting"][model][measure]
+              if r["domain"] == "mix_weighted"]
+    return row
+
+
+def test_headline_values_come_from_the_detail_files():
+    rows = headline(METRICS)
+    assert sorted(rows) == sorted(MODELS)
+    val = load("eval")["val"]["mix_weighted"]
+    base = rows["base"]
+    assert (base["loss"], base["loss_se"]) == (val["loss"], val["loss_stderr"])
+    assert (base["bpb"], base["bpb_se"]) == (val["bits_per_byte"], val["bits_per_byte_stderr"])
+    for model in ("sft", "dpo"):
+        bpb, loss = mix_row(model, "bits_per_byte"), mix_row(model, "loss")
+        assert (rows[model]["bpb"], rows[model]["bpb_se"]) == (bpb["tuned"], bpb["tuned_stderr"])
+        assert (rows[model]["loss"], rows[model]["loss_se"]) == (loss["tuned"],
+                                                                 loss["tuned_stderr"])
+        # Forgetting is the difference of the two rows' bits/byte.
+        assert rows[model]["bpb"] - base["bpb"] == pytest.approx(
+            load("post")["forgetting_bits_per_byte"][model]["mix_weighted"])
+    for model, stage in (("base", "train"), ("sft", "sft"), ("dpo", "dpo")):
+        assert rows[model]["tok_s"] == round(load(stage)["tokens_per_sec"])
+    post, harness = load("post"), load("harness")
+    for model in MODELS:
+        assert rows[model]["tok_acc"] == post[model]["token_accuracy"]
+        assert rows[model]["pref_acc"] == post[model]["pref_accuracy"]
+        assert rows[model]["resp_loss"] == post[model]["response_loss"]
+        for task, scores in harness[model].items():
+            assert rows[model][task.removeprefix("demo_")] == scores["acc"]
+    assert rows["dpo"]["reward_acc"] == post["dpo"]["reward_accuracy"]
+    assert "reward_acc" not in rows["base"]
+
+
+def test_committed_headline_files_are_up_to_date():
+    """The committed metrics/headline/*.json are what the stage writes from the committed
+    detail files (dvc repro -s headline)."""
+    for model, row in headline(METRICS).items():
+        path = METRICS / "headline" / f"{model}.json"
+        assert json.loads(path.read_text(encoding="utf-8")) == row, path
+
+
+def test_a_missing_detail_file_leaves_its_columns_out(tmp_path):
+    for name in ("eval", "train"):
+        shutil.copy(METRICS / f"{name}.json", tmp_path / f"{name}.json")
+    written = write_headline(tmp_path, tmp_path / "headline")
+    assert [p.name for p in written] == [f"{m}.json" for m in MODELS]
+    rows = {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in written}
+    assert set(rows["base"]) == {"loss", "loss_se", "bpb", "bpb_se", "tok_s"}
+    assert rows["sft"] == rows["dpo"] == {}
+
+
+def test_only_the_headline_files_are_metrics_and_details_stay_outputs():
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text(encoding="utf-8"))["stages"]
+    metrics = [next(iter(m)) for s in stages.values() for m in s.get("metrics", [])]
+    assert metrics == [f"metrics/headline/{m}.json" for m in MODELS]
+    outs = {next(iter(o)) if isinstance(o, dict) else o: o
+            for s in stages.values() for o in s.get("outs", [])}
+    for name in ("ingest", "filter", "dedup", "decontam", "mix", "tokenizer", "shards",
+                 "train", "eval", "sft_data", "sft", "dpo_data", "dpo", "post",
+                 "post_detail", "harness"):
+        out = outs[f"metrics/{name}.json"]
+        assert out[f"metrics/{name}.json"] == {"cache": False}, name
+    deps = set(stages["headline"]["deps"])
+    assert {f"metrics/{n}.json" for n in ("eval", "train", "sft", "dpo", "post",
+                                          "post_detail", "harness")} <= deps
+
+
+def test_dvc_metrics_show_fits_a_200_column_terminal():
+    proc = subprocess.run(["dvc", "metrics", "show"], cwd=REPO, capture_output=True,
+                          text=True, env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1 + len(MODELS), proc.stdout
+    assert max(len(line) for line in lines) <= 200, proc.stdout
+    assert "bpb_se" in lines[0] and "tok_s" in lines[0]
+
+
+def test_committed_json_reads_a_revisions_metrics(tmp_path):
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "eval.json").write_text('{"loss": 1.5}')
+    (tmp_path / "metrics" / "notes.md").write_text("# not json")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t.invalid", "commit", "-qm", "one")
+    (tmp_path / "metrics" / "eval.json").write_text('{"loss": 9.0}')  # not committed
+    assert committed_json("HEAD", cwd=str(tmp_path)) == {"metrics/eval.json": {"loss": 1.5}}
+    assert committed_json("no-such-rev", cwd=str(tmp_path)) == {}
