@@ -70,9 +70,11 @@ def post_training_lines(m: Path) -> list[str]:
                      f"{sft['wall_seconds']:.0f} s")
     dpo = _load(m / "dpo.json")
     if dpo:
+        # Training's reward accuracy (margin > 0), under its old name in older metrics.
+        reward = dpo.get("val_reward_accuracy", dpo.get("val_pref_accuracy", float("nan")))
         lines.append(f"dpo       {dpo['mode']}, beta {dpo['beta']:g}, {dpo['steps']} steps, "
-                     f"{dpo['train_pairs']:,} pairs; val preference accuracy "
-                     f"{dpo['val_pref_accuracy']:.3f}, KL to reference "
+                     f"{dpo['train_pairs']:,} pairs; val reward accuracy "
+                     f"{reward:.3f}, KL to reference "
                      f"{dpo['val_kl_per_token']:.4f}/token, {dpo['wall_seconds']:.0f} s")
     if post:
         b, t = post["base"], post["sft"]

@@ -1,0 +1,230 @@
+"""Fill the demo's figures into README.md and docs/*.md from the committed metrics.
+
+Two kinds of marker, invisible once rendered:
+
+- inline: ``<!--= post.sft.token_accuracy | .3f -->0.078<!--/-->``: the expression is
+  evaluated over the metrics files (``eval`` is metrics/eval.json, ``post`` is
+  metrics/post.json, ``headline.base`` metrics/headline/base.json, ...; keys as
+  attributes, ``["key"]`` where a key is no identifier; ``abs``, ``min``, ``max``,
+  ``round``, ``sqrt``, ``log``, ``sum``, ``first`` (the first key present), ``z``
+  (standard errors of a difference) are at hand; ``plots.train.loss`` is a column of
+  plots/train.tsv) and formatted with the
+  spec after ``|`` (``,.0f``, ``+.3f``, ``.1%``...);
+- block: ``<!-- gen:NAME -->`` ... ``<!-- /gen:NAME -->``: the lines between are what
+  ``BLOCKS[NAME]`` writes (the run summary, the headline table, the harness table...).
+
+tests/test_demo_docs.py fails when a page differs from what this script writes, so a
+figure cannot drift from the metrics; ``make demo`` runs it after ``dvc repro``.
+Usage: ``python scripts/demo_docs.py [--check]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = ("README.md", "docs/data.md", "docs/training.md", "docs/post-training.md",
+         "docs/scale.md", "docs/tracking.md", "docs/mixture.md", "docs/results.md")
+INLINE = re.compile(r"<!--=(.*?)-->(.*?)<!--/-->", re.S)
+BLOCK = re.compile(r"(<!-- gen:([a-z_]+) -->\n).*?(<!-- /gen:\2 -->)", re.S)
+
+
+class Figures(dict):
+    """A metrics file's JSON with keys as attributes (``post.sft.token_accuracy``)."""
+
+    def __getattr__(self, key: str):
+        try:
+            value = self[key]
+        except KeyError:
+            raise KeyError(f"no key {key!r} (has {sorted(self)[:12]})") from None
+        return Figures(value) if isinstance(value, dict) else value
+
+    def __getitem__(self, key):
+        value = dict.__getitem__(self, key)
+        return Figures(value) if isinstance(value, dict) else value
+
+
+def metrics(root: Path = REPO) -> dict[str, Figures]:
+    """Every metrics/*.json (and metrics/headline/*.json as ``headline``) by its stem."""
+    found = {p.stem: Figures(json.loads(p.read_text(encoding="utf-8")))
+             for p in sorted((root / "metrics").glob("*.json"))}
+    found["headline"] = Figures({p.stem: json.loads(p.read_text(encoding="utf-8"))
+                                 for p in sorted((root / "metrics/headline").glob("*.json"))})
+    found["plots"] = Figures({p.stem: tsv_columns(p)
+                              for p in sorted((root / "plots").glob("*.tsv"))})
+    return found
+
+
+def tsv_columns(path: Path) -> dict[str, list[float]]:
+    """A plots/*.tsv file as ``{column: [values]}`` (numbers where they parse)."""
+    head, *rows = [line.split("\t") for line in path.read_text(encoding="utf-8").splitlines()]
+    return {name: [_number(r[i]) for r in rows] for i, name in enumerate(head)}
+
+
+def _number(cell: str) -> float | str:
+    try:
+        return float(cell)
+    except ValueError:
+        return cell  # a name column (mix_fit.tsv's proxies)
+
+
+def first(figures: dict, *keys: str):
+    """The value of the first of ``keys`` present (a metric under its new or old name)."""
+    for key in keys:
+        if key in figures:
+            return figures[key]
+    raise KeyError(f"none of {keys}")
+
+
+def z(a: float, sa: float, b: float, sb: float) -> float:
+    """Standard errors of the difference b - a between two independent estimates."""
+    return (b - a) / math.sqrt(sa * sa + sb * sb)
+
+
+HELPERS = {"abs": abs, "min": min, "max": max, "round": round, "sqrt": math.sqrt,
+           "log": math.log, "len": len, "sum": sum, "sorted": sorted, "first": first, "z": z}
+
+
+def figure(expr: str, spec: str, found: dict[str, Figures]) -> str:
+    """One inline figure: ``expr`` over the metrics, formatted by ``spec``."""
+    try:
+        # Globals, so that comprehensions see the metrics too; our own pages only.
+        value = eval(expr, {"__builtins__": {}, **HELPERS, **found})  # noqa: S307
+    except Exception as e:  # one line naming the marker, whatever went wrong
+        raise ValueError(f"figure {expr.strip()!r}: {type(e).__name__}: {e}") from None
+    return format(value, spec)
+
+
+def fmt(value: float, stderr: float | None = None, digits: int = 3) -> str:
+    """``0.361 ± 0.040`` (or the value alone)."""
+    return f"{value:.{digits}f}" + ("" if stderr is None else f" ± {stderr:.{digits}f}")
+
+
+def block_summary(found: dict[str, Figures], root: Path) -> str:
+    """`python -m lmforge.summary` on the committed metrics, as a code block."""
+    from lmforge.summary import summary
+
+    return "```\n" + summary(root / "metrics") + "\n```\n"
+
+
+def block_headline(found: dict[str, Figures], root: Path) -> str:
+    """metrics/headline/*.json as a markdown table: models as rows."""
+    rows = found["headline"]
+    cols = sorted({k for r in rows.values() for k in r})
+    lines = ["| model | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for model in ("base", "sft", "dpo"):
+        r = rows.get(model, {})
+        cells = [("" if k not in r else f"{r[k]:,}" if k == "tok_s" else f"{r[k]:.3f}")
+                 for k in cols]
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def block_harness(found: dict[str, Figures], root: Path) -> str:
+    """lm-eval acc ± stderr per task (rows) and model (columns), with chance."""
+    h = found["harness"]
+    models = [m for m in ("base", "sft", "dpo") if m in h]
+    lines = ["| task | " + " | ".join(models) + " | chance |",
+             "|---|" + "---:|" * (len(models) + 1)]
+    for task in sorted(h["chance"]):
+        cells = [fmt(h[m][task]["acc"], h[m][task]["acc_stderr"]) for m in models]
+        lines.append(f"| `{task}` | " + " | ".join(cells) + f" | {h['chance'][task]:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def block_post(found: dict[str, Figures], root: Path) -> str:
+    """evaluate_post's held-out task scores for the three models."""
+    p = found["post"]
+    models = [m for m in ("base", "sft", "dpo") if m in p]
+    rows = [("token accuracy (reply tokens that are the greedy choice)", "token_accuracy"),
+            ("response loss (nats per reply token)", "response_loss"),
+            ("exact match of the greedy reply", "exact_match"),
+            ("multiple choice by log-likelihood (chance 0.25)", "mc_acc"),
+            ("preference accuracy (chosen more likely; chance 0.5)", "pref_accuracy"),
+            ("reward accuracy against the SFT reference", "reward_accuracy")]
+    lines = ["| held-out test | " + " | ".join(models) + " |", "|---|" + "---:|" * len(models)]
+    for label, key in rows:
+        cells = [fmt(p[m][key], p[m].get(f"{key}_stderr")) if key in p[m] else ""
+                 for m in models]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    forgot = p.get("forgetting_bits_per_byte", {})
+    cells = [f"{forgot[m]['mix_weighted']:+.3f}" if m in forgot else "" for m in models]
+    lines.append("| forgetting: val bits/byte change, mixture-weighted | "
+                 + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def block_domains(found: dict[str, Figures], root: Path) -> str:
+    """The base model's val loss and bits/byte per domain (metrics/eval.json)."""
+    doms = found["eval"]["val"]["domains"]
+    lines = ["| domain | docs | loss | bits/byte |", "|---|---:|---:|---:|"]
+    for name, d in sorted(doms.items()):
+        lines.append(f"| {name} | {d['docs']} | {fmt(d['loss'], d['loss_stderr'])} | "
+                     f"{fmt(d['bits_per_byte'], d['bits_per_byte_stderr'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def block_mix_today(found: dict[str, Figures], root: Path) -> str:
+    """Today's per-domain val bits/byte (metrics/eval.json) and their equal-weight mean,
+    the mixture sweep's default objective."""
+    doms = found["eval"]["val"]["domains"]
+    names = sorted(doms)
+    bpb = [doms[d]["bits_per_byte"] for d in names]
+    return ("| val bits/byte | objective | " + " | ".join(names) + " |\n"
+            + "|---|" + "---:|" * (len(names) + 1) + "\n"
+            + f"| today's `mix.weights` (`metrics/eval.json`) | {sum(bpb) / len(bpb):.3f} | "
+            + " | ".join(f"{b:.3f}" for b in bpb) + " |\n")
+
+
+BLOCKS: dict[str, Callable[[dict[str, Figures], Path], str]] = {
+    "summary": block_summary, "headline": block_headline, "harness": block_harness,
+    "post": block_post, "domains": block_domains, "mix_today": block_mix_today}
+
+
+def render(page: str, found: dict[str, Figures], root: Path = REPO) -> str:
+    """The page with every marker's figure or block recomputed."""
+    def inline(m: re.Match) -> str:
+        expr, _, spec = m.group(1).rpartition("|")
+        return f"<!--={m.group(1)}-->{figure(expr, spec.strip(), found)}<!--/-->"
+
+    def block(m: re.Match) -> str:
+        if m.group(2) not in BLOCKS:
+            raise ValueError(f"unknown block gen:{m.group(2)} (known: {sorted(BLOCKS)})")
+        return m.group(1) + BLOCKS[m.group(2)](found, root) + m.group(3)
+
+    return BLOCK.sub(block, INLINE.sub(inline, page))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 naming each page that is out of date")
+    args = parser.parse_args(argv)
+    found, stale = metrics(), []
+    for name in PAGES:
+        path = REPO / name
+        text = path.read_text(encoding="utf-8")
+        try:
+            new = render(text, found)
+        except ValueError as e:
+            print(f"error: {name}: {e}", file=sys.stderr)
+            return 2
+        if new != text:
+            stale.append(name)
+            if not args.check:
+                tmp = path.with_suffix(".md.tmp")
+                tmp.write_text(new, encoding="utf-8")
+                tmp.replace(path)  # atomic: a reader sees the old page or the new one
+    verb = "out of date" if args.check else "rewrote"
+    print(f"demo_docs: {verb}: {', '.join(stale)}" if stale else "demo_docs: up to date")
+    return 1 if args.check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
