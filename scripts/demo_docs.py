@@ -170,21 +170,9 @@ def block_domains(found: dict[str, Figures], root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def block_mix_today(found: dict[str, Figures], root: Path) -> str:
-    """Today's per-domain val bits/byte (metrics/eval.json) and their equal-weight mean,
-    the mixture sweep's default objective."""
-    doms = found["eval"]["val"]["domains"]
-    names = sorted(doms)
-    bpb = [doms[d]["bits_per_byte"] for d in names]
-    return ("| val bits/byte | objective | " + " | ".join(names) + " |\n"
-            + "|---|" + "---:|" * (len(names) + 1) + "\n"
-            + f"| today's `mix.weights` (`metrics/eval.json`) | {sum(bpb) / len(bpb):.3f} | "
-            + " | ".join(f"{b:.3f}" for b in bpb) + " |\n")
-
-
 BLOCKS: dict[str, Callable[[dict[str, Figures], Path], str]] = {
     "summary": block_summary, "headline": block_headline, "harness": block_harness,
-    "post": block_post, "domains": block_domains, "mix_today": block_mix_today}
+    "post": block_post, "domains": block_domains}
 
 
 def render(page: str, found: dict[str, Figures], root: Path = REPO) -> str:
