@@ -4,7 +4,7 @@
 VENV := .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test lint docs
 
 setup:
 	scripts/setup.sh
@@ -13,7 +13,9 @@ demo: setup
 	dvc repro
 	@echo
 	@python -m lmforge.summary
-	@echo "All metrics: dvc metrics show; samples: metrics/samples.md, metrics/post_samples.md; lm-eval: metrics/harness.md; curves: dvc plots show; chat: lmforge chat"
+	@python scripts/demo_pictures.py
+	@python scripts/demo_docs.py
+	@echo "Headline metrics: dvc metrics show (detail: metrics/*.json, *.md); samples: metrics/samples.md, metrics/post_samples.md; lm-eval: metrics/harness.md; curves: dvc plots show; chat: lmforge chat"
 	@echo "MLflow UI: mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db  (then open http://127.0.0.1:5000)"
 
 test: setup
@@ -22,4 +24,9 @@ test: setup
 
 lint:
 	ruff check .
+
+# The README's pictures and the demo figures in README.md and docs/, from metrics/ and plots/.
+docs: setup
+	python scripts/demo_pictures.py
+	python scripts/demo_docs.py
 

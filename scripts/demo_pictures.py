@@ -46,7 +46,7 @@ def draw_loss(root: Path, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(CURVES), figsize=(12, 3.4))
-    for ax, (title, (train, val)) in zip(axes, CURVES.items()):
+    for ax, (title, (train, val)) in zip(axes, CURVES.items(), strict=True):
         t, v = read_tsv(root / train), read_tsv(root / val)
         ax.plot(t["step"], t["loss"], label="train", linewidth=1)
         ax.plot(v["step"], v["val_loss"], "o-", label="val", markersize=3)
