@@ -11,7 +11,9 @@ Two kinds of marker, invisible once rendered:
   plots/train.tsv) and formatted with the
   spec after ``|`` (``,.0f``, ``+.3f``, ``.1%``...);
 - block: ``<!-- gen:NAME -->`` ... ``<!-- /gen:NAME -->``: the lines between are what
-  ``BLOCKS[NAME]`` writes (the run summary, the headline table, the harness table...).
+  ``BLOCKS[NAME]`` writes (the run summary, the headline table, the harness table...);
+
+and a fenced block that starts with ``$ lmforge plan ...`` gets that command's output.
 
 tests/test_demo_docs.py fails when a page differs from what this script writes, so a
 figure cannot drift from the metrics; ``make demo`` runs it after ``dvc repro``.
@@ -21,6 +23,7 @@ Usage: ``python scripts/demo_docs.py [--check]``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import re
@@ -33,6 +36,7 @@ PAGES = ("README.md", "docs/data.md", "docs/training.md", "docs/post-training.md
          "docs/scale.md", "docs/tracking.md", "docs/mixture.md", "docs/results.md")
 INLINE = re.compile(r"<!--=(.*?)-->(.*?)<!--/-->", re.S)
 BLOCK = re.compile(r"(<!-- gen:([a-z_]+) -->\n).*?(<!-- /gen:\2 -->)", re.S)
+PLAN = re.compile(r"```\n\$ (lmforge plan [^\n]*)\n.*?```", re.S)
 
 
 class Figures(dict):
@@ -175,8 +179,17 @@ BLOCKS: dict[str, Callable[[dict[str, Figures], Path], str]] = {
     "post": block_post, "domains": block_domains}
 
 
+def plan_output(m: re.Match) -> str:
+    """A fenced ``$ lmforge plan ...`` block with the command's output today (the
+    function scripts/plan_docs.py fills docs/fine-tuning-memory.md with)."""
+    spec = importlib.util.spec_from_file_location("plan_docs", REPO / "scripts/plan_docs.py")
+    plan_docs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_docs)
+    return f"```\n$ {m.group(1)}\n{plan_docs.run(m.group(1))}```"
+
+
 def render(page: str, found: dict[str, Figures], root: Path = REPO) -> str:
-    """The page with every marker's figure or block recomputed."""
+    """The page with every marker's figure, block and ``lmforge plan`` output recomputed."""
     def inline(m: re.Match) -> str:
         expr, _, spec = m.group(1).rpartition("|")
         return f"<!--={m.group(1)}-->{figure(expr, spec.strip(), found)}<!--/-->"
@@ -186,7 +199,7 @@ def render(page: str, found: dict[str, Figures], root: Path = REPO) -> str:
             raise ValueError(f"unknown block gen:{m.group(2)} (known: {sorted(BLOCKS)})")
         return m.group(1) + BLOCKS[m.group(2)](found, root) + m.group(3)
 
-    return BLOCK.sub(block, INLINE.sub(inline, page))
+    return PLAN.sub(plan_output, BLOCK.sub(block, INLINE.sub(inline, page)))
 
 
 def main(argv: list[str] | None = None) -> int:
