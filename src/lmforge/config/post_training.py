@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -46,18 +47,30 @@ class SftDataConfig(PackedDataConfig):
 
 
 @dataclass
-class SftConfig(TrainConfig):
-    """Supervised fine-tuning: the train loop's knobs, plus replay and document masking.
-
-    The peak learning rate is ``lr`` here (``max_lr`` in ``train``).
-    """
+class TuningConfig(TrainConfig):
+    """What the sft and dpo sections share: the train loop's knobs, with the peak
+    learning rate spelled ``lr`` (``max_lr`` in ``train``), a model to start from, and
+    fine-tuning's defaults."""
 
     YAML_NAMES: ClassVar[dict[str, str]] = {"max_lr": "lr"}
 
-    max_steps: int = 150
-    max_lr: float = 1e-3
     warmup: float = 0.1
     weight_decay: float = 0.0
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.init_from:
+            default = next(f.default for f in dataclasses.fields(self) if f.name == "init_from")
+            raise ConfigError(f"{key(self, 'init_from')}: name the model to start from (e.g. "
+                              f"{default})")
+
+
+@dataclass
+class SftConfig(TuningConfig):
+    """Supervised fine-tuning: the train loop's knobs, plus replay and document masking."""
+
+    max_steps: int = 150
+    max_lr: float = 1e-3
     # The model fine-tuning starts from (a model dir or a step-*.pt checkpoint).
     init_from: str | None = "models/final"
     # Share of each batch's rows drawn from the pretraining shards (the notes' 9:1 to
@@ -68,9 +81,6 @@ class SftConfig(TrainConfig):
 
     def validate(self) -> None:
         super().validate()
-        if not self.init_from:
-            raise ConfigError(f"{key(self, 'init_from')}: name the model to fine-tune (e.g. "
-                              "models/final)")
         below_one(self, "replay")
 
 
@@ -88,19 +98,15 @@ class DpoDataConfig(PackedDataConfig):
 
 
 @dataclass
-class DpoConfig(TrainConfig):
+class DpoConfig(TuningConfig):
     """Direct preference optimisation: the train loop's knobs, plus beta and the reference.
 
     The policy starts from ``init_from`` (the SFT model); the reference is that same
     model, frozen, its log-probabilities computed once per pair and cached.
     """
 
-    YAML_NAMES: ClassVar[dict[str, str]] = {"max_lr": "lr"}
-
     max_steps: int = 100
     max_lr: float = 5e-5
-    warmup: float = 0.1
-    weight_decay: float = 0.0
     init_from: str | None = "models/sft"
     # The KL penalty's strength: larger keeps the policy closer to the reference.
     # (Attention always restarts at each sequence of a packed row: a rejected response
@@ -113,9 +119,6 @@ class DpoConfig(TrainConfig):
 
     def validate(self) -> None:
         super().validate()
-        if not self.init_from:
-            raise ConfigError(f"{key(self, 'init_from')}: name the model to start from (e.g. "
-                              "models/sft)")
         if not self.beta > 0:
             raise ConfigError(f"{key(self, 'beta')}: {self.beta} must be > 0")
         if self.batch_sampling != "shuffled":
