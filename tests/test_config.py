@@ -142,5 +142,8 @@ def test_loading_params_imports_no_filter_rule_code():
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('lmforge'))))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                           text=True, check=True)
+    config = {f"lmforge.config.{m}" for m in ("checks", "data", "evaluation", "loader",
+                                               "mixture", "model", "params",
+                                               "post_training", "train")}
     assert set(proc.stdout.split()) == {"lmforge", "lmforge.config", "lmforge.data",
-                                        "lmforge.data.rule_names", "lmforge.errors"}
+                                        "lmforge.data.rule_names", "lmforge.errors", *config}

@@ -298,7 +298,7 @@ def test_params_yaml_lists_every_key():
     for section in SECTIONS:
         missing = sorted(fields_of(section) - set(raw.get(section) or {}))
         assert not missing, (f"params.yaml: {section} lacks {missing}; add each with its "
-                             f"default from src/lmforge/config.py")
+                             f"default from src/lmforge/config/")
     load_params(REPO / "params.yaml")  # and it still loads
 
 

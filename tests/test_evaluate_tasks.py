@@ -19,15 +19,15 @@ from test_finetune_template import train
 
 from lmforge.config import ModelConfig
 from lmforge.errors import InputError
+from lmforge.evaluate.report import tasks_markdown
+from lmforge.evaluate.sequences import score_sequences
+from lmforge.evaluate.stats import ratio_stderr
 from lmforge.evaluate.tasks import (
     EXACT_TASKS,
     TaskRecord,
-    ratio_stderr,
     read_task_records,
     score_choices,
     score_responses,
-    score_sequences,
-    tasks_markdown,
 )
 from lmforge.finetune.template import END_MARKER, generation_prompt, marker_ids, render
 from lmforge.model.generate import generate

@@ -22,7 +22,7 @@ from lmforge.evaluate.harness import (
     run_harness,
     select_tasks,
 )
-from lmforge.evaluate.tasks import reply_sequence, score_sequences
+from lmforge.evaluate.sequences import reply_sequence, score_sequences
 from lmforge.finetune.template import render_text
 from lmforge.model import Llama, load_model, save_model
 from lmforge.tokenizer import Tokenizer

@@ -311,6 +311,16 @@ def find_run(run_id: str, root: str | os.PathLike | None = None) -> Run | None:
     return Run(client, run_id) if run.info.lifecycle_stage == "active" else None
 
 
+def recorded_run_id(model_dir: str | os.PathLike) -> str | None:
+    """The MLflow run a training stage recorded beside its model (``run.json``'s
+    ``mlflow_run_id``); None when there is none or the file cannot be read."""
+    run_file = Path(model_dir) / "run.json"
+    with contextlib.suppress(ValueError, OSError):
+        record = json.loads(run_file.read_text(encoding="utf-8"))
+        return (record.get("mlflow_run_id") or None) if isinstance(record, dict) else None
+    return None
+
+
 def params_for_logging(params: Params) -> dict[str, Any]:
     """All params flattened to ``section.key`` names."""
     return flatten({name: section_dict(getattr(params, name))

@@ -2,9 +2,8 @@
 
 Both models are scored on the same pretraining val split (``score_split(...).as_dict``);
 a domain's change counts as forgetting only when it is larger than the noise, measured by
-the two figures' standard errors (bootstrap over documents, lmforge.evaluate.scoring).
-The two scores share their documents, so treating them as independent overstates the
-noise: the test is conservative, and a flagged change is real.
+the two figures' standard errors (bootstrap over documents, lmforge.evaluate.scoring)
+in the one z-test of lmforge.evaluate.stats, here one-sided: only a rise is forgetting.
 """
 
 from __future__ import annotations
@@ -12,8 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-# A change beyond this many combined standard errors is reported as real.
-SIGNIFICANT_Z = 2.0
+from lmforge.evaluate.report import fig
+from lmforge.evaluate.stats import SIGNIFICANT_Z, z_score
 
 
 def forgetting_rows(base: dict[str, Any], tuned: dict[str, Any],
@@ -33,15 +32,10 @@ def _row(name: str, b: dict[str, Any], t: dict[str, Any], figure: str) -> dict[s
     se_b = b.get(f"{figure}_stderr", float("nan"))
     se_t = t.get(f"{figure}_stderr", float("nan"))
     delta = t[figure] - b[figure]
-    se = math.hypot(se_b, se_t)
-    z = delta / se if se > 0 else float("nan")
+    z = z_score(delta, se_b, se_t)
     return {"domain": name, "base": b[figure], "base_stderr": se_b, "tuned": t[figure],
             "tuned_stderr": se_t, "change": delta, "z": z,
             "forgot": bool(math.isfinite(z) and z > SIGNIFICANT_Z)}
-
-
-def _fig(value: float, stderr: float) -> str:
-    return f"{value:.4f} ± {stderr:.4f}" if math.isfinite(stderr) else f"{value:.4f}"
 
 
 def forgetting_markdown(rows: list[dict[str, Any]], figure: str = "bits_per_byte") -> str:
@@ -53,7 +47,7 @@ def forgetting_markdown(rows: list[dict[str, Any]], figure: str = "bits_per_byte
         known = math.isfinite(r["z"])
         z = f"{r['z']:+.1f}" if known else "n/a"
         verdict = ("yes" if r["forgot"] else "no") if known else "n/a"
-        lines.append(f"| {r['domain']} | {_fig(r['base'], r['base_stderr'])} | "
-                     f"{_fig(r['tuned'], r['tuned_stderr'])} | {r['change']:+.4f} | "
+        lines.append(f"| {r['domain']} | {fig(r['base'], r['base_stderr'], 4)} | "
+                     f"{fig(r['tuned'], r['tuned_stderr'], 4)} | {r['change']:+.4f} | "
                      f"{z} | {verdict} |")
     return "\n".join(lines) + "\n"

@@ -347,17 +347,13 @@ def log_to_mlflow(result: dict[str, Any], markdown: str) -> None:
     """
     from lmforge.config import Params, load_params
     from lmforge.stage import repo_root
-    from lmforge.tracking import find_run, resume_run, start_run, ui_path
+    from lmforge.tracking import find_run, recorded_run_id, resume_run, start_run, ui_path
 
     root = repo_root()
     report = {"result": result, "markdown": markdown}
     orphans: dict[str, Any] = {}
     for label, figures in result["models"].items():
-        run_file = Path(figures["model_dir"]) / "run.json"
-        run_id = None
-        if run_file.is_file():
-            with contextlib.suppress(ValueError, OSError):
-                run_id = json.loads(run_file.read_text(encoding="utf-8")).get("mlflow_run_id")
+        run_id = recorded_run_id(figures["model_dir"])
         if not run_id or find_run(run_id, root) is None:
             orphans[label] = figures
             continue

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from lmforge.errors import InputError
-from lmforge.evaluate.tasks import _model_seq_len, _SequenceSet, score_sequences
+from lmforge.evaluate.sequences import SequenceSet, model_seq_len, score_sequences
+from lmforge.evaluate.stats import by_task, proportion
 from lmforge.finetune.preferences import Pair, parse_pair
 from lmforge.finetune.records import read_examples
 from lmforge.tokenizer import Tokenizer
@@ -44,7 +45,7 @@ def read_pairs(path: str | Path) -> tuple[list[Pair], list[str]]:
 def pair_logps(model: torch.nn.Module, tokenizer: Tokenizer, pairs: Sequence[Pair],
                batch_size: int, device: str | torch.device = "cpu") -> np.ndarray:
     """``(n, 2)`` summed log-probs of (chosen, rejected) replies, each after its prompt."""
-    seqs = _SequenceSet(_model_seq_len(model))
+    seqs = SequenceSet(model_seq_len(model))
     index = np.zeros((len(pairs), 2), dtype=np.int64)
     for i, pair in enumerate(pairs):
         for side, response in enumerate((pair.chosen, pair.rejected)):
@@ -55,36 +56,29 @@ def pair_logps(model: torch.nn.Module, tokenizer: Tokenizer, pairs: Sequence[Pai
     return -scores.nats[index]
 
 
-def _share(hits: np.ndarray) -> dict[str, float]:
-    p = float(hits.mean()) if len(hits) else float("nan")
-    return {"value": p, "stderr": math.sqrt(p * (1 - p) / len(hits)) if len(hits) else math.nan}
-
-
 def preference_scores(logps: dict[str, np.ndarray], tasks: Sequence[str],
                       references: dict[str, str]) -> dict[str, Any]:
     """Per model: overall and per-task ``pref_accuracy`` (+ stderr), ``logp_margin``, and
     ``reward_accuracy`` against ``references[model]`` where it has one."""
-    tasks = np.asarray(tasks)
     out: dict[str, Any] = {}
     for model, lp in logps.items():
-        groups = {"overall": np.ones(len(lp), bool)} | {t: tasks == t for t in sorted(set(tasks))}
-        figures = {}
-        for name, sel in groups.items():
-            margin = lp[sel, 0] - lp[sel, 1]
-            acc = _share(margin > 0)
-            fig = {"n": int(sel.sum()), "pref_accuracy": acc["value"],
-                   "pref_accuracy_stderr": acc["stderr"],
-                   "logp_margin": float(margin.mean()) if len(margin) else math.nan}
-            ref = references.get(model)
-            if ref is not None:
-                r = logps[ref][sel]
-                reward = (lp[sel, 0] - r[:, 0]) - (lp[sel, 1] - r[:, 1])
-                racc = _share(reward > 0)
-                fig.update(reward_accuracy=racc["value"],
-                           reward_accuracy_stderr=racc["stderr"], reference=ref)
-            figures[name] = fig
-        out[model] = {"overall": figures.pop("overall"), "tasks": figures}
+        ref = references.get(model)
+        out[model] = by_task(tasks, lambda sel, lp=lp, ref=ref: _figures(
+            lp[sel], None if ref is None else logps[ref][sel], ref))
     return out
+
+
+def _figures(lp: np.ndarray, ref_lp: np.ndarray | None, ref: str | None) -> dict[str, Any]:
+    """One group of pairs' figures from its ``(n, 2)`` log-probs (and its reference's)."""
+    margin = lp[:, 0] - lp[:, 1]
+    acc, acc_se = proportion(margin > 0)
+    fig = {"n": len(lp), "pref_accuracy": acc, "pref_accuracy_stderr": acc_se,
+           "logp_margin": float(margin.mean()) if len(margin) else math.nan}
+    if ref_lp is not None:
+        reward = (lp[:, 0] - ref_lp[:, 0]) - (lp[:, 1] - ref_lp[:, 1])
+        racc, racc_se = proportion(reward > 0)
+        fig.update(reward_accuracy=racc, reward_accuracy_stderr=racc_se, reference=ref)
+    return fig
 
 
 def preferences_markdown(scores: dict[str, Any]) -> str:

@@ -18,45 +18,35 @@ sampling loop. Three figures:
 * **multiple-choice accuracy** (``score_choices``): the choice with the highest
   log-likelihood as the reply.
 
-``tasks_markdown`` puts a base and a fine-tuned model's figures side by side.
+Sequences are scored by lmforge.evaluate.sequences, standard errors come from
+lmforge.evaluate.stats, and ``lmforge.evaluate.report.tasks_markdown`` puts a base and a
+fine-tuned model's figures side by side.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from lmforge.data import readers
 from lmforge.data.readers import Reject
 from lmforge.errors import InputError
-from lmforge.finetune.records import ASSISTANT, Turn, iter_examples
-from lmforge.finetune.template import chat_format
-from lmforge.model.llama import Llama
-from lmforge.model.loss import IGNORE_INDEX
+from lmforge.evaluate.sequences import SequenceSet, model_seq_len, score_sequences
+from lmforge.evaluate.stats import by_task, proportion, ratio_stderr
+from lmforge.finetune.records import Turn, iter_examples
 from lmforge.tokenizer import Tokenizer
 
 # Tasks whose ``answers`` are checked exactly (PROVENANCE.md, "check" column); the
 # others (wn_define, wn_example, py_summary) are loose and get the response loss only.
 EXACT_TASKS = frozenset({"wn_synonym", "wn_antonym", "poem_author", "poem_first_line",
                          "poem_next_line", "py_signature"})
-
-# A change beyond this many standard errors of the difference is reported as real
-# (as lmforge.evaluate.forgetting.SIGNIFICANT_Z).
-SIGNIFICANT_Z = 2.0
-
-# The right-padding id: any valid id does, causal attention never lets a scored
-# position see it.
-PAD_ID = 0
-
-OVERALL = "all"  # the overall row's name in tasks_markdown
 
 
 # --------------------------------------------------------------------------- records
@@ -182,188 +172,7 @@ def _str_list(value: Any, key: str, where: str) -> list[str]:
     return list(value)
 
 
-# --------------------------------------------------------------------------- sequences
-
-
-@dataclass
-class SequenceScores:
-    """Per sequence: summed nats of the scored tokens, their count, ``misses``: how many
-    are not the argmax of the logits before them, and ``greedy``: whether none is."""
-
-    nats: np.ndarray
-    tokens: np.ndarray
-    misses: np.ndarray
-    greedy: np.ndarray
-
-
-@dataclass
-class _SequenceSet:
-    """Token sequences to score, deduplicated (an accepted answer is often the reference
-    reply), each with the index of its first scored token."""
-
-    max_len: int | None
-    ids: list[list[int]] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)
-    index: dict[tuple[int, ...], int] = field(default_factory=dict)
-
-    def add(self, prompt: Sequence[Turn], reply: str, tokenizer: Tokenizer,
-            where: str) -> int:
-        """The index of ``prompt`` + ``reply`` as the assistant turn (added if new)."""
-        ids, start = reply_sequence(prompt, reply, tokenizer)
-        # The last token is only a target, never an input.
-        if self.max_len is not None and len(ids) - 1 > self.max_len:
-            raise InputError(f"{where}: {len(ids)} tokens with the reply, more than the "
-                             f"model's seq_len {self.max_len} + 1")
-        key = tuple(ids)
-        if key not in self.index:
-            self.index[key] = len(self.ids)
-            self.ids.append(ids)
-            self.starts.append(start)
-        return self.index[key]
-
-
-def reply_sequence(prompt: Sequence[Turn], reply: str, tokenizer: Tokenizer
-                   ) -> tuple[list[int], int]:
-    """(ids, start): ``prompt`` + ``reply`` rendered, and where the reply's tokens start.
-
-    ``ids[start:]`` are the reply's content ids and its end-of-turn token (``<|end|>``,
-    ``<|im_end|>``): the SFT loss mask of the last turn, in the model's chat format;
-    what a template writes after it (a newline) is left off. The generation prompt must
-    be an exact prefix; it is checked rather than assumed.
-    """
-    fmt = chat_format(tokenizer)
-    head = fmt.generation_prompt(prompt)
-    ids, mask = fmt.render((*prompt, (ASSISTANT, reply)))
-    end = len(mask) - mask[::-1].index(1) if any(mask) else len(mask)
-    ids, mask = ids[:end], mask[:end]
-    if ids[:len(head)] != head or not all(mask[len(head):]):
-        raise InputError(f"{fmt.where}: the generation prompt is not a prefix of the "
-                         "conversation, so a reply's tokens cannot be told apart")
-    return ids, len(head)
-
-
-def _model_seq_len(model: torch.nn.Module) -> int | None:
-    config = getattr(model, "config", None)
-    return getattr(config, "seq_len", None)
-
-
-@torch.no_grad()
-def score_sequences(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
-                    starts: Sequence[int], batch_size: int,
-                    device: str | torch.device = "cpu") -> SequenceScores:
-    """Teacher-forced scores of ``sequences[i][starts[i]:]`` given what precedes it.
-
-    One forward pass per batch of ``batch_size`` sequences, right-padded to the batch's
-    longest; the sequences are batched by length (longest first) so little is padding.
-    ``greedy`` uses ``torch.argmax`` (the first maximum on ties), as
-    ``lmforge.model.generate.sample_next`` at temperature 0 does.
-    """
-    n = len(sequences)
-    nats, tokens = np.zeros(n), np.zeros(n, dtype=np.int64)
-    misses = np.zeros(n, dtype=np.int64)
-    if any(not 0 < s < len(seq) for s, seq in zip(starts, sequences, strict=True)):
-        raise ValueError("each start must be past the first token and within its sequence")
-    device = torch.device(device)
-    order = sorted(range(n), key=lambda i: -len(sequences[i]))
-    was_training = model.training
-    model.eval()
-    try:
-        for first in range(0, n, batch_size):
-            rows = order[first:first + batch_size]
-            x, y = _batch([sequences[i] for i in rows], [starts[i] for i in rows])
-            b_nats, b_tokens, b_misses = _score_batch(model, x.to(device), y.to(device))
-            nats[rows], tokens[rows], misses[rows] = b_nats, b_tokens, b_misses
-    finally:
-        model.train(was_training)
-    return SequenceScores(nats, tokens, misses, misses == 0)
-
-
-def _batch(seqs: list[Sequence[int]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs (B, T) right-padded with ``PAD_ID`` and targets (B, T): the next token where
-    it is scored, ``IGNORE_INDEX`` elsewhere."""
-    width = max(len(s) for s in seqs) - 1
-    x = torch.full((len(seqs), width), PAD_ID, dtype=torch.long)
-    y = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
-    for row, (seq, start) in enumerate(zip(seqs, starts, strict=True)):
-        ids = torch.as_tensor(seq, dtype=torch.long)
-        x[row, :len(seq) - 1] = ids[:-1]
-        # The logits at position t predict token t + 1.
-        y[row, start - 1:len(seq) - 1] = ids[start:]
-    return x, y
-
-
-def _score_batch(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row: summed nats, scored tokens, and tokens that are not the argmax."""
-    keep = y != IGNORE_INDEX
-    picked, target = scored_logits(model, x, keep), y[keep]
-    token_nats = F.cross_entropy(picked.float(), target, reduction="none")
-    misses = (torch.argmax(picked, dim=-1) != target).double()  # argmax in the model's dtype
-    row = keep.nonzero()[:, 0]
-    size = x.size(0)
-    sums = torch.zeros(size, dtype=torch.float64, device=x.device).index_add_(
-        0, row, token_nats.double())
-    wrong = torch.zeros(size, dtype=torch.float64, device=x.device).index_add_(0, row, misses)
-    return (sums.cpu().numpy(), keep.sum(1).cpu().numpy(), wrong.cpu().numpy())
-
-
-def scored_logits(model: torch.nn.Module, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """The logits (N, V) at the N positions where ``keep`` (B, T) is true.
-
-    For a ``Llama`` the output layer runs on those positions only: it is ~40 % of the
-    5M demo model's FLOPs and a quarter of the positions are scored (a reply after
-    its prompt). A forward hook hands the final norm's output at those positions to
-    ``lm_head``, so ``model(x)`` returns (N, V); the shape is checked, so a forward
-    that no longer ends in ``norm -> lm_head`` fails loudly rather than scoring wrong
-    rows. Any other model is called plainly and indexed.
-    """
-    norm = getattr(model, "norm", None)
-    if not isinstance(model, Llama) or not isinstance(norm, torch.nn.Module):
-        logits = model(x)
-        return (logits[0] if isinstance(logits, tuple) else logits)[keep]
-    handle = norm.register_forward_hook(lambda _module, _inputs, out: out[keep])
-    try:
-        logits = model(x)
-    finally:
-        handle.remove()
-    if logits.dim() != 2 or logits.size(0) != int(keep.sum()):
-        raise AssertionError(f"Llama.forward no longer ends in norm -> lm_head "
-                             f"(logits {tuple(logits.shape)})")
-    return logits
-
-
-# --------------------------------------------------------------------------- statistics
-
-
-def ratio_stderr(num: np.ndarray, den: np.ndarray) -> float:
-    """Standard error of ``sum(num) / sum(den)`` over records (delta method).
-
-    The linearised ratio estimator: ``sqrt(sum((num_i - R den_i)^2) / (n (n - 1))) /
-    mean(den)``. Records, not tokens, are the independent units. NaN below 2 records.
-    """
-    n = len(num)
-    if n < 2 or not den.sum():
-        return float("nan")
-    ratio = num.sum() / den.sum()
-    resid = num - ratio * den
-    return float(math.sqrt((resid ** 2).sum() / (n * (n - 1))) / den.mean())
-
-
-def proportion(hits: np.ndarray) -> tuple[float, float]:
-    """(p, sqrt(p (1 - p) / n)) of a boolean array."""
-    n = len(hits)
-    if not n:
-        return float("nan"), float("nan")
-    p = float(hits.mean())
-    return p, math.sqrt(p * (1 - p) / n)
-
-
-def _by_task(tasks: list[str], figures: Callable[[np.ndarray], dict[str, Any]]
-             ) -> dict[str, Any]:
-    """``{"overall": figures(all), "tasks": {task: figures(its records)}}``."""
-    names = np.array(tasks)
-    return {"overall": figures(np.ones(len(tasks), dtype=bool)),
-            "tasks": {t: figures(names == t) for t in sorted(set(tasks))}}
+# --------------------------------------------------------------------------- scoring
 
 
 def _loss_figures(nats: np.ndarray, tokens: np.ndarray, nbytes: np.ndarray,
@@ -388,7 +197,6 @@ def _exact_figures(hits: np.ndarray) -> dict[str, Any]:
             "exact_match_stderr": se}
 
 
-# --------------------------------------------------------------------------- scoring
 
 
 def score_responses(model: torch.nn.Module, tokenizer: Tokenizer,
@@ -418,7 +226,7 @@ def score_responses(model: torch.nn.Module, tokenizer: Tokenizer,
     is a miss, as it should be. Agreement with ``lmforge.model.generate`` holds up to
     float rounding between its KV-cache passes and this full-sequence pass.
     """
-    seqs = _SequenceSet(_model_seq_len(model))
+    seqs = SequenceSet(model_seq_len(model))
     reply_idx, answer_idx = [], []
     for rec in records:
         reply_idx.append(seqs.add(rec.prompt, rec.reply, tokenizer, rec.where))
@@ -429,11 +237,11 @@ def score_responses(model: torch.nn.Module, tokenizer: Tokenizer,
     nats, tokens = scores.nats[reply_idx], scores.tokens[reply_idx]
     right = tokens - scores.misses[reply_idx]
     nbytes = np.array([len(rec.reply.encode("utf-8")) for rec in records], dtype=np.int64)
-    response = _by_task([rec.task for rec in records],
+    response = by_task([rec.task for rec in records],
                         lambda m: _loss_figures(nats[m], tokens[m], nbytes[m], right[m]))
     hits = np.array([scores.greedy[idx].any() for idx in answer_idx], dtype=bool)
     exact_tasks = [rec.task for rec in records if rec.task in EXACT_TASKS]
-    exact = _by_task(exact_tasks, lambda m: _exact_figures(hits[m]))
+    exact = by_task(exact_tasks, lambda m: _exact_figures(hits[m]))
     return {"response": response, "exact_match": exact}
 
 
@@ -453,7 +261,7 @@ def score_choices(model: torch.nn.Module, tokenizer: Tokenizer,
     divides by characters), ``acc_norm_stderr``, and ``chance`` (the mean of
     1 / number of choices). Standard errors are sqrt(p(1-p)/n).
     """
-    seqs = _SequenceSet(_model_seq_len(model))
+    seqs = SequenceSet(model_seq_len(model))
     index = []
     for rec in mc_records:
         if rec.choices is None or rec.answer is None:
@@ -475,86 +283,4 @@ def score_choices(model: torch.nn.Module, tokenizer: Tokenizer,
         return {"n": int(m.sum()), "acc": acc, "acc_stderr": acc_se, "acc_norm": norm,
                 "acc_norm_stderr": norm_se, "chance": float(chance_a[m].mean())}
 
-    return {"multiple_choice": _by_task([rec.task for rec in mc_records], figures)}
-
-
-# --------------------------------------------------------------------------- report
-
-
-def _fig(value: float, stderr: float, digits: int = 3) -> str:
-    if not math.isfinite(value):
-        return "n/a"
-    return (f"{value:.{digits}f} ± {stderr:.{digits}f}" if math.isfinite(stderr)
-            else f"{value:.{digits}f}")
-
-
-def _verdict(delta: float, se_base: float, se_tuned: float) -> str:
-    """Whether ``delta`` exceeds ``SIGNIFICANT_Z`` standard errors of the difference.
-
-    The errors combine as independent; both models answer the same records, so this
-    overstates the noise (the test is conservative, as in forgetting.py). Two zero
-    errors (0 or 100 % on both sides) leave any change as real.
-    """
-    se = math.hypot(se_base, se_tuned)
-    if not (math.isfinite(se) and math.isfinite(delta)):
-        return "n/a"
-    if se == 0:
-        return "yes" if delta else "no"
-    return "yes" if abs(delta) > SIGNIFICANT_Z * se else "no"
-
-
-def _rows(base: dict[str, Any], tuned: dict[str, Any]) -> Iterable[tuple[str, dict, dict]]:
-    """(name, base figures, tuned figures): the tasks both have, then the overall row."""
-    for task in sorted(set(base["tasks"]) & set(tuned["tasks"])):
-        yield task, base["tasks"][task], tuned["tasks"][task]
-    yield OVERALL, base["overall"], tuned["overall"]
-
-
-def _compare_table(title: str, base: dict[str, Any] | None, tuned: dict[str, Any] | None,
-                   key: str, digits: int, extra: tuple[str, ...] = (),
-                   shared: tuple[str, ...] = ()) -> list[str]:
-    """One markdown section: per task n, base and tuned ``key`` ± stderr, the change and
-    whether it is beyond 2 standard errors; ``extra`` keys add base and tuned columns,
-    ``shared`` keys (the same for both models, such as chance) one column."""
-    if not base or not tuned or not base.get("tasks"):
-        return []
-    head = f"| task | n | base {key} | tuned {key} | change | beyond {SIGNIFICANT_Z:g} se |"
-    head += "".join(f" base {e} | tuned {e} |" for e in extra)
-    head += "".join(f" {s} |" for s in shared)
-    lines = [f"### {title}", "", head,
-             "|---|---:|---:|---:|---:|---|" + "---:|---:|" * len(extra) + "---:|" * len(shared)]
-    for name, b, t in _rows(base, tuned):
-        se_b, se_t = b.get(f"{key}_stderr", math.nan), t.get(f"{key}_stderr", math.nan)
-        delta = t[key] - b[key]
-        n = str(b["n"]) if b["n"] == t["n"] else f"{b['n']} / {t['n']}"
-        row = (f"| {name} | {n} | {_fig(b[key], se_b, digits)} | {_fig(t[key], se_t, digits)} "
-               f"| {delta:+.{digits}f} | {_verdict(delta, se_b, se_t)} |")
-        for e in extra:
-            row += (f" {_fig(b[e], b.get(f'{e}_stderr', math.nan), digits)} |"
-                    f" {_fig(t[e], t.get(f'{e}_stderr', math.nan), digits)} |")
-        row += "".join(f" {_fig(b[s], math.nan, digits)} |" for s in shared)
-        lines.append(row)
-    return [*lines, ""]
-
-
-def tasks_markdown(base: dict[str, Any], tuned: dict[str, Any]) -> str:
-    """Base vs fine-tuned, per task: exact match, response loss and multiple choice.
-
-    ``base`` and ``tuned`` are ``score_responses(...)`` merged with ``score_choices(...)``
-    (``{**responses, **choices}``); a section either lacks is left out. Multiple choice
-    shows the headline ``acc`` with its significance test, then ``acc_norm`` and chance.
-    """
-    lines = []
-    lines += _compare_table("Exact match (greedy reply is an accepted answer; higher is "
-                            "better)", base.get("exact_match"), tuned.get("exact_match"),
-                            "exact_match", 3)
-    lines += _compare_table("Response loss (nats per reply token; lower is better)",
-                            base.get("response"), tuned.get("response"), "loss", 4,
-                            extra=("bits_per_byte",))
-    lines += _compare_table("Token accuracy (share of reply tokens that are the greedy "
-                            "choice given the reference so far; higher is better)",
-                            base.get("response"), tuned.get("response"), "token_accuracy", 3)
-    lines += _compare_table("Multiple choice (accuracy by log-likelihood; higher is better)",
-                            base.get("multiple_choice"), tuned.get("multiple_choice"),
-                            "acc", 3, extra=("acc_norm",), shared=("chance",))
-    return "\n".join(lines)
+    return {"multiple_choice": by_task([rec.task for rec in mc_records], figures)}

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from lmforge.tracking import (
     TRAIN_RUN_TAG,
     Run,
     find_run,
+    recorded_run_id,
     resume_run,
     start_run,
     ui_path,
@@ -38,26 +40,35 @@ NOT_METRICS = frozenset({"seconds", "tokens", "docs"})
 
 def log_to_mlflow(results: dict, samples: str, final: Path,
                   params: Params | None = None) -> None:
-    """Log the evaluation (and the data stages' counts) to MLflow.
-
-    Into the training run named in ``final/run.json`` the first time it is evaluated;
-    into a new run nested under it after that. An error while logging ends the run
-    FAILED and is re-raised. ``params`` default to ./params.yaml.
-    """
-    run_file = final / "run.json"
-    run_id = json.loads(run_file.read_text()).get("mlflow_run_id") if run_file.is_file() else None
-    if not run_id:
-        print("evaluate: no MLflow run recorded by the train stage; not logging")
-        return
-    with open_eval_run(run_id, params) as run:
+    """Log the evaluation (and the data stages' counts) to MLflow (``log_evaluation``)."""
+    def log(run: Run) -> None:
         run.log_metrics(eval_metrics(results), step=0)
         log_data_counts(run, Path("metrics"))
         run.log_dict(results, "eval/eval.json")
         run.log_text(samples, "eval/samples.md")
+
+    log_evaluation("evaluate", final, log, params)
+
+
+def log_evaluation(stage: str, model_dir: Path, log: Callable[[Run], None],
+                   params: Params | None = None) -> None:
+    """A stage's results about the model in ``model_dir``, logged by ``log(run)``.
+
+    Into the training run named in ``model_dir/run.json`` the first time the model is
+    evaluated; into a new run nested under it after that (``open_eval_run``). The run is
+    tagged evaluated only once ``log`` has succeeded; an error while logging ends the
+    run FAILED and is re-raised. ``params`` default to ./params.yaml.
+    """
+    run_id = recorded_run_id(model_dir)
+    if not run_id:
+        print(f"{stage}: no MLflow run recorded for {model_dir}; not logging")
+        return
+    with open_eval_run(run_id, params) as run:
+        log(run)
         if run.run_id == run_id:  # last: a failed first evaluation is not "evaluated"
             run.set_tags({EVALUATED_TAG: "1"})
     where = "training run" if run.run_id == run_id else f"evaluation run under {run_id}"
-    print(f"evaluate: logged to MLflow {where} {run.run_id}; "
+    print(f"{stage}: logged to MLflow {where} {run.run_id}; "
           f"in `mlflow ui` open {ui_path(run.experiment_id())}")
 
 
