@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,7 +93,9 @@ def test_only_the_headline_files_are_metrics_and_details_stay_outputs():
 
 
 def test_dvc_metrics_show_fits_a_200_column_terminal():
-    proc = subprocess.run(["dvc", "metrics", "show"], cwd=REPO, capture_output=True,
+    # The venv's dvc, whether or not the venv is on PATH (pytest run as .venv/bin/pytest).
+    dvc = Path(sys.executable).parent / "dvc"
+    proc = subprocess.run([str(dvc), "metrics", "show"], cwd=REPO, capture_output=True,
                           text=True, env={**os.environ, "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
