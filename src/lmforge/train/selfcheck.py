@@ -10,24 +10,23 @@ dtype mistakes that otherwise show up hours into a run as a bad loss curve.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from lmforge.config import Params
-from lmforge.errors import LmforgeError
 from lmforge.model.llama import Llama
 from lmforge.model.loss import IGNORE_INDEX
 from lmforge.train.distributed import DistEnv, resolve_device
+from lmforge.train.objectives import TrainData
 from lmforge.train.optim import build_optimizer
 from lmforge.train.precision import resolve_precision
+from lmforge.train.step import optimizer_step
 
 NUM_BATCHES = 10
 LOSS_TOLERANCE = 0.5  # |initial loss - ln(vocab)|, nats
@@ -83,16 +82,10 @@ class _Repeat:
         return self.batch
 
 
-def self_check(params: Params, data: Any = None, device: torch.device | str | None = None
+def self_check(params: Params, data: TrainData, device: torch.device | str | None = None
                ) -> SelfCheckReport:
-    """Run every check on ``data`` (a ``TrainData``; default: the shards under the cwd)."""
-    from lmforge.train.loop import _optimizer_step, open_shard_data
-    from lmforge.train.pipeline import TrainPaths
-
+    """Run every check on ``data`` (the train stage's shards, opened)."""
     mcfg, cfg = params.model, params.train
-    if data is None:
-        paths = TrainPaths()
-        data = open_shard_data(paths.train_shards, paths.val_shards)
     device = resolve_device(str(device) if device is not None else cfg.device)
     env = DistEnv(0, 1, 0, device)
     precision = resolve_precision(cfg.precision, device)
@@ -237,8 +230,8 @@ def self_check(params: Params, data: Any = None, device: torch.device | str | No
         loader = _Repeat(state["batches"][0])
         losses = []
         for _ in range(2):
-            loss, norm, _ = _optimizer_step(model, None, model, optimizer, scaler, precision,
-                                            loader, 1, cfg.grad_clip, env)
+            loss, norm, _ = optimizer_step(model, None, model, optimizer, scaler, precision,
+                                           loader, 1, cfg.grad_clip, env)
             _expect(math.isfinite(loss) and math.isfinite(norm),
                     f"step loss {loss} / grad_norm {norm} not finite")
             losses.append(loss)
@@ -276,34 +269,3 @@ def _expect(cond: bool, message: str) -> None:
 
 def _positions(batch: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
     return batch[2] if len(batch) > 2 else None
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def cmd_train(args: argparse.Namespace) -> None:
-    """``lmforge train``: the train stage, or with ``--self-check`` only the self-check."""
-    from lmforge.config import load_params
-    from lmforge.train.pipeline import TrainPaths, run_train_stage
-
-    params = load_params(args.params)
-    if args.self_check:
-        report = self_check(params)
-        print(report.table())
-        if not report.ok:
-            raise LmforgeError(report.error_line())
-        return
-    run_train_stage(params, TrainPaths())
-
-
-def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``train [--self-check] [--params params.yaml]``."""
-    p = subparsers.add_parser(
-        "train", help="train the model (the train stage), or --self-check it in seconds")
-    p.add_argument("--self-check", action="store_true",
-                   help="10 batches and 2 optimizer steps: shapes, masks, initial loss, "
-                        "finiteness; exits non-zero naming the failed check")
-    p.add_argument("--params", default="params.yaml", type=Path,
-                   help="params file (default: params.yaml)")
-    p.set_defaults(func=cmd_train)
-    return p
