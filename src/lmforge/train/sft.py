@@ -22,15 +22,9 @@ from lmforge.model.frozen import copy_model, restore_fp32
 from lmforge.model.lora import adamw_state_bytes, merge_lora, save_adapter, trainable_parameters
 from lmforge.model.saved import load_model, save_model
 from lmforge.shards.format import file_sha256
+from lmforge.train import runner
 from lmforge.train.loop import TrainResult
 from lmforge.train.objectives import TrainData, open_shard_data
-from lmforge.train.runner import (
-    StageSpec,
-    check_tokenized,
-    run_training_stage,
-    special_ids,
-    write_curves,
-)
 
 
 @dataclass
@@ -65,9 +59,9 @@ def open_sft_data(params: Params, paths: SftPaths, tokenizer_sha: str) -> TrainD
         from lmforge.shards.loader import ShardSet
 
         data.replay, data.replay_share = ShardSet(paths.replay_shards), params.sft.replay
-    check_tokenized([(paths.train_shards, data.train), (paths.val_shards, data.val),
-                     (paths.replay_shards, data.replay)], paths.tokenizer, tokenizer_sha,
-                    "the sft_data / shards stage")
+    sets = [(paths.train_shards, data.train), (paths.val_shards, data.val),
+            (paths.replay_shards, data.replay)]
+    runner.check_tokenized(sets, paths.tokenizer, tokenizer_sha, "the sft_data / shards stage")
     if not data.train.has_loss_mask:
         raise InputError(f"{paths.train_shards}: no loss mask (written by the sft_data stage?)")
     return data
@@ -85,10 +79,10 @@ def base_config(init_from: str, tokenizer_sha: str) -> ModelConfig:
 
 def run_sft_stage(params: Params, paths: SftPaths, module: str = "stages.sft") -> None:
     """Fine-tune as params say; with ``sft.nproc > 1`` re-launch through torchrun first."""
-    run_training_stage(params, sft_spec(paths, module))
+    runner.run_training_stage(params, sft_spec(paths, module))
 
 
-def sft_spec(paths: SftPaths, module: str = "stages.sft") -> StageSpec:
+def sft_spec(paths: SftPaths, module: str = "stages.sft") -> runner.StageSpec:
     """Fine-tuning: next-token prediction on the masked rows, from ``sft.init_from``."""
 
     def open_data(params: Params, tokenizer_sha: str) -> TrainData:
@@ -101,8 +95,8 @@ def sft_spec(paths: SftPaths, module: str = "stages.sft") -> StageSpec:
     def write(params: Params, data: TrainData, result: TrainResult, sha: str) -> None:
         write_sft_outputs(result, params, data, paths, sha)
 
-    return StageSpec("sft", module, paths.tokenizer, paths.checkpoints, paths.final,
-                     open_data, write, loop_params=run_params)
+    return runner.StageSpec("sft", module, paths.tokenizer, paths.checkpoints, paths.final,
+                            open_data, write, loop_params=run_params)
 
 
 def write_sft_outputs(result: TrainResult, params: Params, data: TrainData, paths: SftPaths,
@@ -110,7 +104,7 @@ def write_sft_outputs(result: TrainResult, params: Params, data: TrainData, path
     """models/sft (merged; + adapter/ with LoRA), metrics/sft.json, plots/sft*.tsv."""
     trained = save_tuned(result, params.sft, paths.final, paths.tokenizer, tokenizer_sha)
     write_json(paths.metrics, {**result.metrics, **sft_facts(params, data, trained)})
-    write_curves(result.history, paths.plots, paths.val_plots)
+    runner.write_curves(result.history, paths.plots, paths.val_plots)
 
 
 def save_tuned(result: TrainResult, cfg: TrainConfig, final: Path, tokenizer: Path,
@@ -124,7 +118,7 @@ def save_tuned(result: TrainResult, cfg: TrainConfig, final: Path, tokenizer: Pa
     lora = cfg.lora is not None
     # Merged in fp32 and saved fp32, whatever dtype the frozen base was held in.
     merged = restore_fp32(merge_lora(copy_model(model))) if lora else model
-    save_model(merged, final, tokenizer, special_ids=special_ids(tokenizer),
+    save_model(merged, final, tokenizer, special_ids=runner.special_ids(tokenizer),
                tokenizer_sha256=tokenizer_sha, fingerprint=result.fingerprint,
                init_from=cfg.init_from)
     if lora:
