@@ -14,7 +14,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,6 @@ from torch.nn.parallel import DistributedDataParallel
 from lmforge.config import Params, section_name
 from lmforge.errors import InputError, LmforgeError
 from lmforge.model.frozen import resolve_base_dtype
-from lmforge.model.generate import generate
 from lmforge.model.llama import Llama
 from lmforge.model.lora import trainable_parameters
 from lmforge.model.saved import save_weights
@@ -46,9 +45,10 @@ from lmforge.train.objectives import (
 from lmforge.train.optim import build_optimizer, set_learning_rates
 from lmforge.train.precision import Precision, resolve_precision
 from lmforge.train.probe import probe_micro_batch
+from lmforge.train.reporting import Interval, final_metrics, log_interval, log_samples
 from lmforge.train.resume import Live, Progress, load_resume_state, restore, save
 from lmforge.train.step import optimizer_step
-from lmforge.train.telemetry import NullRun, format_duration, memory_mb, open_run, peak_flops
+from lmforge.train.telemetry import NullRun, open_run, peak_flops
 from lmforge.train.warm_start import adopt_architecture, ensure_outside, weights_sha256
 
 # Where they lived before the split; importers may keep using these names from here.
@@ -92,16 +92,6 @@ class Setup:
     start_note: str | None
 
 
-@dataclass
-class _Interval:
-    """Running sums between two log lines."""
-
-    start_time: float = field(default_factory=time.perf_counter)
-    start_step: int = 0
-    excluded: float = 0.0  # seconds spent in eval / checkpoints, not training
-    loss_sum: float = 0.0
-    loss_n: int = 0
-    stats: dict[str, float] = field(default_factory=dict)  # the objective's step sums
 
 
 def train(params: Params, data: TrainData, checkpoint_dir: str | Path, tokenizer_sha256: str,
@@ -234,7 +224,7 @@ class Trainer:
         self.fallback: tuple[dict, dict] | None = None
         self.run: Any = NullRun()
         self.t0 = time.perf_counter()
-        self.interval = _Interval()
+        self.interval = Interval()
 
     def train(self) -> TrainResult:
         """Resume or start the run in its own directory and train it to ``max_steps``."""
@@ -338,7 +328,7 @@ class Trainer:
                      + f", {self.compiled_how}")
         self.t0 = time.perf_counter()
         p = self.progress
-        self.interval = _Interval(start_step=self.step, loss_sum=p.loss_sum, loss_n=p.loss_n,
+        self.interval = Interval(start_step=self.step, loss_sum=p.loss_sum, loss_n=p.loss_n,
                                   stats=dict(p.stats))
 
     def _step(self) -> tuple[float, float, dict[str, float]] | None:
@@ -403,7 +393,7 @@ class Trainer:
             "train.warmup, or check the data")
 
     def _log(self, rates: dict[str, float], grad_norm: float) -> None:
-        self.history[self.step] = _log_step(
+        self.history[self.step] = log_interval(
             self.step, rates, grad_norm, self.interval, self.skipped, self.tokens_per_step,
             self.flops_per_step, self.peak, self.env.device, self.cfg.max_steps, self.run,
             self.log)
@@ -451,7 +441,7 @@ class Trainer:
         vals = self._val_figures()
         val, step = vals["val_loss"], self.step
         rows = [self.history[s] for s in sorted(self.history)]
-        metrics = _final_metrics(rows, val, step, self.tokens_seen, self.skipped,
+        metrics = final_metrics(rows, val, step, self.tokens_seen, self.skipped,
                                  self.live.model, self.precision, self.env, self.progress,
                                  self._wall_seconds())
         metrics.update({k: v for k, v in vals.items() if k != "val_loss"})
@@ -515,90 +505,3 @@ def check_fp16_overflow(loss: float, grad_norm: float, precision: Precision,
             f"scale now {scaler.get_scale():.3g}); the updates have stopped. Use "
             "train.precision: bf16 or fp32, or lower train.max_lr")
     return streak
-
-
-def _final_metrics(rows: list[dict], val: float, step: int, tokens: int, skipped: int,
-                   model: Llama, precision: Precision, env: DistEnv, progress: Progress,
-                   wall_seconds: float) -> dict[str, Any]:
-    """metrics/train.json."""
-    train_losses = [r["loss"] for r in rows if r.get("loss") is not None]
-    speeds = sorted(r["tokens_per_sec"] for r in rows if r.get("tokens_per_sec"))
-    return {
-        "train_loss": train_losses[-1] if train_losses else None,
-        "val_loss": val,
-        "steps": step,
-        "tokens": tokens,
-        # The median log interval: robust to the first (warm-up) one and to load spikes.
-        "tokens_per_sec": speeds[len(speeds) // 2] if speeds else None,
-        "params": model.num_params(),
-        "wall_seconds": round(wall_seconds, 3),
-        "resumed_from": progress.resumed_from,
-        "skipped_steps": skipped,
-        "precision": precision.name,
-        "world_size": env.world_size,
-    }
-
-
-def _log_step(step: int, rates: dict[str, float], grad_norm: float, interval: _Interval, skipped: int,
-              tokens_per_step: int, flops_per_step: float, peak: float | None,
-              device: torch.device, max_steps: int, run: Any,
-              log: Callable[[str], None]) -> dict[str, Any]:
-    """Report the interval since the last log line; return its plots/train.tsv row.
-
-    ``rates``: ``lr`` and, with Muon, ``lr_muon`` (each group's current rate)."""
-    now = time.perf_counter()
-    steps = step - interval.start_step
-    seconds = max(now - interval.start_time - interval.excluded, 1e-9)
-    loss = interval.loss_sum / interval.loss_n if interval.loss_n else float("nan")
-    tps = steps * tokens_per_step / seconds
-    lr = rates["lr"]
-    metrics = {"loss": loss, **rates, "grad_norm": grad_norm, "tokens_per_sec": tps,
-               "skipped_steps": skipped, "memory_mb": memory_mb(device),
-               "tflops": steps * flops_per_step / seconds / 1e12}
-    averaged = _stat_means(interval.stats)
-    metrics.update(averaged)
-    if peak:
-        metrics["mfu"] = metrics["tflops"] * 1e12 / peak
-    run.log_metrics(metrics, step)
-    eta = (max_steps - step) * seconds / max(steps, 1)
-    log(f"step {step:>6}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
-        f"grad_norm {grad_norm:.3f} | {tps:,.0f} tok/s | eta {format_duration(eta)}"
-        + "".join(f" | {k} {v:.3f}" for k, v in averaged.items()))
-    interval.start_time, interval.start_step, interval.excluded = now, step, 0.0
-    interval.loss_sum, interval.loss_n, interval.stats = 0.0, 0, {}
-    return {"step": step, "loss": loss, **rates, "grad_norm": grad_norm,
-            "tokens_per_sec": tps, **averaged}
-
-
-def _stat_means(sums: dict[str, float]) -> dict[str, float]:
-    """An objective's interval sums as means over the items the first stat counts.
-
-    Objectives return sums (e.g. ``pairs``, then per-pair figures summed), so a mean
-    over micro-batches, ranks and steps weighs every item once.
-    """
-    if not sums:
-        return {}
-    names = list(sums)
-    n = sums[names[0]]
-    return {name: sums[name] / n if n else float("nan") for name in names[1:]}
-
-
-def log_samples(model: Llama, prompts: list[tuple[str, list[int]]],
-                decode: Callable[[list[int]], str] | None, seed: int, step: int,
-                run: Any, max_new_tokens: int = 64) -> str | None:
-    """Continue each fixed prompt; attach them as ``samples/step-NNNNNN.txt``; return the text.
-
-    Each prompt gets its own generator seeded with ``seed``, so a prompt's samples differ
-    between steps only because the weights did, and the training RNG is untouched.
-    """
-    if not prompts or decode is None:
-        return None
-    parts = []
-    for text, ids in prompts:
-        gen = torch.Generator().manual_seed(seed)
-        out = list(generate(model, ids, max_new_tokens, temperature=0.8, top_k=50,
-                            generator=gen))
-        parts.append(f"### {text or '(unconditional)'}\n{text}{decode(out)}\n")
-    body = f"step {step}\n\n" + "\n".join(parts)
-    run.log_text(body, f"samples/step-{step:06d}.txt")
-    return body

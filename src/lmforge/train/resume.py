@@ -32,6 +32,7 @@ from lmforge.train import checkpoint as ckpt
 from lmforge.train import runs
 from lmforge.train.distributed import DistEnv, all_gather_objects
 from lmforge.train.fsdp import AsyncShardSaver, load_sharded
+from lmforge.train.objectives import Objective
 
 
 @dataclass
@@ -58,7 +59,7 @@ class Live:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     loader: Any
-    objective: Any = None  # an Objective; one with a state_dict has its state saved
+    objective: Objective | None = None  # one with a state_dict has its state saved
 
 
 def load_resume_state(directory: Path, fp: str, env: DistEnv,
