@@ -2,7 +2,7 @@
 
 The dpo stage scores each pair under the frozen reference once and caches the result
 (``lmforge.train.preference.DpoObjective``), so a step whose pairs are cached runs the
-policy alone. This measures what that saves: the real loop's ``_optimizer_step`` with a
+policy alone. This measures what that saves: the real loop's ``optimizer_step`` with a
 ``DpoObjective`` whose cache is warm (every pair of the batches already scored) against
 the same objective with its cache emptied before each step, which is what computing the
 reference in every step costs. Both run eager, on the same batches, in interleaved
@@ -26,15 +26,16 @@ import torch
 from lmforge.model.saved import extend_context, load_model
 from lmforge.shards.loader import ShardSet
 from lmforge.train.distributed import DistEnv
-from lmforge.train.loop import _optimizer_step, make_reproducible
+from lmforge.train.loop import make_reproducible
 from lmforge.train.precision import resolve_precision
 from lmforge.train.preference import DpoObjective, PairLoader
+from lmforge.train.step import optimizer_step
 
 CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
 
 class Batches:
-    """Hands out the same prepared batches each round (a loader for ``_optimizer_step``)."""
+    """Hands out the same prepared batches each round (a loader for ``optimizer_step``)."""
 
     def __init__(self, batches: list) -> None:
         self.batches, self.i = batches, 0
@@ -57,8 +58,8 @@ def timed_steps(policy: torch.nn.Module, objective: DpoObjective, batches: list,
         if cold:
             for values in objective.cache.values():
                 values.fill_(float("nan"))
-        _optimizer_step(model, None, model, opt, precision.grad_scaler(), precision, loader,
-                        1, 1.0, CPU, objective)
+        optimizer_step(model, None, model, opt, precision.grad_scaler(), precision, loader,
+                       1, 1.0, CPU, objective)
     return (time.perf_counter() - start) / len(batches)
 
 

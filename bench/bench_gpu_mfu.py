@@ -1,7 +1,7 @@
 """MFU of lmforge's training step on one GPU: a GPT-2-small-sized (124M) Llama in bf16.
 
 The prepared script for a lent GPU (issue 5 aims for >= 50 % MFU on an H100/H200): it
-runs the real step (``Llama`` + ``build_optimizer`` + the loop's ``_optimizer_step``: fused
+runs the real step (``Llama`` + ``build_optimizer`` + the loop's ``optimizer_step``: fused
 loss, accumulation, clipping, the non-finite guard), compiled as ``train.compile: auto``
 does, fed by the real ``WindowLoader`` over a temporary shard set of random tokens.
 
@@ -38,9 +38,9 @@ from lmforge.shards.writer import write_shards
 from lmforge.train.compiler import resolve_compile
 from lmforge.train.distributed import DistEnv
 from lmforge.train.fsdp import build_sharded, ensure_process_group
-from lmforge.train.loop import _optimizer_step
 from lmforge.train.optim import build_optimizer
 from lmforge.train.precision import resolve_precision
+from lmforge.train.step import optimizer_step
 from lmforge.train.telemetry import memory_mb, peak_flops
 
 # GPT-2 small's shape (12 x 768, 12 heads, 1024 context, 50,304 = 50,257 padded to 64).
@@ -111,15 +111,15 @@ def measure(strategy: str, args: argparse.Namespace, device: torch.device, shape
         loader = WindowLoader(shards, mcfg.seq_len, micro, seed=0)
         t0 = time.perf_counter()
         for _ in range(args.warmup):
-            _optimizer_step(step_model, None, model, optimizer, scaler, precision, loader,
-                            args.accum, cfg.grad_clip, env)
+            optimizer_step(step_model, None, model, optimizer, scaler, precision, loader,
+                           args.accum, cfg.grad_clip, env)
         warmup_s = time.perf_counter() - t0
         times, losses = [], []
         for _ in range(args.steps):
             _sync(device)
             t0 = time.perf_counter()
-            loss, _, _ = _optimizer_step(step_model, None, model, optimizer, scaler, precision,
-                                         loader, args.accum, cfg.grad_clip, env)
+            loss, _, _ = optimizer_step(step_model, None, model, optimizer, scaler, precision,
+                                        loader, args.accum, cfg.grad_clip, env)
             _sync(device)
             times.append(time.perf_counter() - t0)
             losses.append(loss)

@@ -7,7 +7,7 @@ interleaved rounds in one process:
 
 * lmforge: the folder imported (``lmforge.export.hf.import_hf``), ``apply_lora`` and the
   frozen base held as the run holds it (``hold_frozen_in``), the loop's AdamW and its
-  real step (``_optimizer_step``: accumulation, fp32 loss, clipping, the non-finite
+  real step (``optimizer_step``: accumulation, fp32 loss, clipping, the non-finite
   guard), eager and under ``torch.compile`` (what ``sft.compile: auto`` does on a CPU);
 * PEFT: ``AutoModelForCausalLM`` + ``get_peft_model(LoraConfig(...))``, fused AdamW over
   the trainable parameters, ``loss.backward()``, ``clip_grad_norm_``, ``step``,
@@ -44,9 +44,10 @@ from lmforge.model.frozen import hold_frozen_in
 from lmforge.model.lora import apply_lora, trainable_parameters
 from lmforge.model.saved import load_model
 from lmforge.train.distributed import DistEnv
-from lmforge.train.loop import _optimizer_step, make_reproducible
+from lmforge.train.loop import make_reproducible
 from lmforge.train.optim import build_optimizer
 from lmforge.train.precision import Precision
+from lmforge.train.step import optimizer_step
 
 CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -87,8 +88,8 @@ class Ours:
 
     def train_step(self) -> float:
         make_reproducible(CPU.device)  # as the loop runs
-        loss, _, _ = _optimizer_step(self.step_model, None, self.model, self.opt, self.scaler,
-                                     self.precision, self.loader, 1, 1.0, CPU)
+        loss, _, _ = optimizer_step(self.step_model, None, self.model, self.opt, self.scaler,
+                                    self.precision, self.loader, 1, 1.0, CPU)
         return loss
 
 

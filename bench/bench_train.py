@@ -4,7 +4,7 @@ Both train the same size (4 layers, width 256, 4 heads, vocab 8192, context 256,
 dropout, no biases) on the same random tokens, with the same batch (``--micro`` windows x
 ``--accum`` micro-steps per optimizer step) and threads, in interleaved rounds:
 
-* lmforge: ``Llama`` + ``build_optimizer`` + ``lr_at`` + ``_optimizer_step`` (the real
+* lmforge: ``Llama`` + ``build_optimizer`` + ``lr_at`` + ``optimizer_step`` (the real
   loop's step: accumulation, fp32 loss, grad-norm before clipping, the non-finite guard),
   fed by the real ``WindowLoader`` over a temporary shard set.
 * nanoGPT: its own ``model.py``, from a nanoGPT checkout the user points at with
@@ -45,10 +45,11 @@ from lmforge.shards.loader import ShardSet, WindowLoader
 from lmforge.shards.writer import write_shards
 from lmforge.train.compiler import resolve_compile
 from lmforge.train.distributed import DistEnv
-from lmforge.train.loop import _optimizer_step, make_reproducible
+from lmforge.train.loop import make_reproducible
 from lmforge.train.optim import build_optimizer
 from lmforge.train.precision import Precision
 from lmforge.train.schedule import lr_at
+from lmforge.train.step import optimizer_step
 
 VOCAB, LAYERS, HEADS, WIDTH, CONTEXT = 8192, 4, 4, 256, 256
 CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -88,9 +89,9 @@ class Ours:
         lr = lr_at(self.step, self.cfg)
         for group in self.opt.param_groups:
             group["lr"] = lr
-        loss, _, _ = _optimizer_step(self.step_model, None, self.model, self.opt, self.scaler,
-                                     self.precision, self.loader, self.cfg.grad_accum_steps,
-                                     self.cfg.grad_clip, CPU)
+        loss, _, _ = optimizer_step(self.step_model, None, self.model, self.opt, self.scaler,
+                                    self.precision, self.loader, self.cfg.grad_accum_steps,
+                                    self.cfg.grad_clip, CPU)
         self.step += 1
         return loss
 

@@ -247,12 +247,12 @@ def test_a_dpo_run_learns_the_preference_logs_it_and_resumes_exactly(pair_data, 
     logs: list[str] = []
     result = run_dpo(directory, tmp_path / "ck", logs)
     m = result.metrics
-    assert m["val_pref_accuracy"] > 0.9 and m["val_loss"] < math.log(2)
+    assert m["val_reward_accuracy"] > 0.9 and m["val_loss"] < math.log(2)
     assert m["val_kl_per_token"] > 0 and m["val_reward_margin"] > 0
     first, last = result.history[0], result.history[-1]
-    assert first["step"] == 4 and "pref_accuracy" in first and "logp_chosen" in first
+    assert first["step"] == 4 and "reward_accuracy" in first and "logp_chosen" in first
     assert last["reward_margin"] > first["reward_margin"]
-    assert any("| pref_accuracy" in line for line in logs)
+    assert any("| reward_accuracy" in line for line in logs)
     # Killed after step 8 and resumed: the reference cache comes back with the
     # checkpoint, and the run ends bit-identical to the unbroken one.
     run_dir = tmp_path / "ck" / runs.run_id(result.fingerprint)

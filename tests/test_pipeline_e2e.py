@@ -312,13 +312,13 @@ def test_dpo_outputs(pipeline, env):
     assert data["train"]["pairs"] + data["val"]["pairs"] == c["kept"]
     dpo = load(root / "metrics" / "dpo.json")
     assert dpo["steps"] == 4 and dpo["mode"] == "full" and dpo["beta"] == 0.05
-    for key in ("val_loss", "val_pref_accuracy", "val_reward_margin", "val_kl_per_token"):
+    for key in ("val_loss", "val_reward_accuracy", "val_reward_margin", "val_kl_per_token"):
         assert math.isfinite(dpo[key]), key
     assert dpo["val_kl_per_token"] > 0  # the policy moved away from its reference
     for name in ("model.safetensors", "config.json", "tokenizer.model", "run.json"):
         assert (root / "models" / "dpo" / name).is_file(), name
     rows = (root / "plots" / "dpo.tsv").read_text().splitlines()
-    assert rows[0].split("\t")[:2] == ["step", "loss"] and "pref_accuracy" in rows[0]
+    assert rows[0].split("\t")[:2] == ["step", "loss"] and "reward_accuracy" in rows[0]
     assert len(rows) == 1 + 2  # logged at steps 2 and 4
     listing = run(["lmforge", "checkpoints"], root, env)
     assert "[dpo] (this is the run params.yaml trains)" in listing, listing

@@ -115,6 +115,6 @@ def test_lora_on_a_warm_started_model_follows_ddp(workdir):
 
 def test_dpo_with_a_sharded_reference_follows_ddp(workdir):
     ddp, fsdp = run(workdir, "ddp", "dpo"), run(workdir, "fsdp", "dpo")
-    assert_same_run(ddp, fsdp, ("loss", "grad_norm", "reward_margin", "pref_accuracy",
-                                "val_loss", "val_pref_accuracy", "val_kl_per_token"))
+    assert_same_run(ddp, fsdp, ("loss", "grad_norm", "reward_margin", "reward_accuracy",
+                                "val_loss", "val_reward_accuracy", "val_kl_per_token"))
     assert fsdp[0]["metrics"]["val_kl_per_token"] > 0

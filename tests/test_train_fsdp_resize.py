@@ -21,7 +21,7 @@ from test_train_loop import start_ranks, wait_ranks
 from lmforge.shards import ShardSet, WindowLoader
 from lmforge.shards.writer import write_shards
 from lmforge.train import checkpoint as ckpt
-from lmforge.train.loop import _apply_rng, _rank_state
+from lmforge.train.resume import apply_rng, rank_state
 
 pytestmark = pytest.mark.slow
 
@@ -134,7 +134,7 @@ def test_the_loader_state_of_one_process_serves_two_ranks_the_same_windows(shard
 
 
 def _draws(rng: dict) -> tuple:
-    _apply_rng(rng, CPU)
+    apply_rng(rng, CPU)
     return torch.rand(4).tolist(), np.random.rand(2).tolist(), random.random()
 
 
@@ -144,18 +144,18 @@ def test_ranks_a_checkpoint_did_not_have_get_streams_of_their_own():
     expected_rank0 = _draws(saved[0]["rng"])
 
     # 1 -> 2 (and -> 3): rank 0 keeps the saved stream; the others a fresh one each.
-    states = [_rank_state(saved, r, 3, seed=1337, step=4) for r in range(3)]
+    states = [rank_state(saved, r, 3, seed=1337, step=4) for r in range(3)]
     assert states[0]["rng"] is saved[0]["rng"]
     assert all(s["loader"] == saved[0]["loader"] for s in states)
     draws = [_draws(s["rng"]) for s in states]
     assert draws[0] == expected_rank0
     assert len({repr(d) for d in draws}) == 3, draws  # three different streams
-    assert _rank_state(saved, 1, 2, seed=1337, step=4) == states[1]  # 1 -> 2: the same
+    assert rank_state(saved, 1, 2, seed=1337, step=4) == states[1]  # 1 -> 2: the same
     # Deterministic: a second resume of the same checkpoint draws the same; another
     # step or seed draws otherwise.
-    assert _draws(_rank_state(saved, 1, 2, seed=1337, step=4)["rng"]) == draws[1]
-    assert _draws(_rank_state(saved, 1, 2, seed=1337, step=8)["rng"]) != draws[1]
-    assert _draws(_rank_state(saved, 1, 2, seed=7, step=4)["rng"]) != draws[1]
+    assert _draws(rank_state(saved, 1, 2, seed=1337, step=4)["rng"]) == draws[1]
+    assert _draws(rank_state(saved, 1, 2, seed=1337, step=8)["rng"]) != draws[1]
+    assert _draws(rank_state(saved, 1, 2, seed=7, step=4)["rng"]) != draws[1]
     # Not the seed + rank stream a fresh run starts rank 1 with.
     torch.manual_seed(1337 + 1)
     assert torch.rand(4).tolist() != draws[1][0]
@@ -165,9 +165,9 @@ def test_the_same_or_fewer_ranks_take_their_saved_states():
     torch.manual_seed(0)
     saved = [{"loader": {"position": 16}, "rng": ckpt.capture_rng(CPU), "objective": {"k": r}}
              for r in range(2)]
-    assert [_rank_state(saved, r, 2, seed=0, step=4) for r in range(2)] == saved
+    assert [rank_state(saved, r, 2, seed=0, step=4) for r in range(2)] == saved
     # 2 -> 1: rank 0's loader position (the same on every rank) and its stream.
-    assert _rank_state(saved, 0, 1, seed=0, step=4) == {
+    assert rank_state(saved, 0, 1, seed=0, step=4) == {
         "loader": saved[0]["loader"], "rng": saved[0]["rng"],
         "objective_parts": [{"k": 0}, {"k": 1}]}
 

@@ -31,9 +31,10 @@ from lmforge.train import checkpoint as ckpt
 from lmforge.train import runs
 from lmforge.train.compiler import compile_support, resolve_compile
 from lmforge.train.distributed import DistEnv
-from lmforge.train.loop import TrainData, _optimizer_step, train
+from lmforge.train.loop import TrainData, train
 from lmforge.train.pipeline import TrainPaths
 from lmforge.train.precision import resolve_precision
+from lmforge.train.step import optimizer_step
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -124,8 +125,8 @@ def test_accumulated_micro_batches_give_the_full_batch_gradient():
         prec = resolve_precision("fp32", CPU.device)
         b = 8 // accum
         loader = ListLoader((x[i:i + b], y[i:i + b]) for i in range(0, 8, b))
-        loss, norm, _ = _optimizer_step(model, None, model, opt, prec.grad_scaler(), prec,
-                                        loader, accum, 0.0, CPU)
+        loss, norm, _ = optimizer_step(model, None, model, opt, prec.grad_scaler(), prec,
+                                       loader, accum, 0.0, CPU)
         assert not loader.batches  # every micro-batch was used
         updates.append(([b0 - p.detach() for b0, p in zip(before, model.parameters(),
                                                             strict=True)], loss, norm))
@@ -154,8 +155,8 @@ def test_micro_batches_weigh_by_their_target_tokens_and_an_all_masked_one_by_zer
         before = [p.detach().clone() for p in model.parameters()]
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         prec = resolve_precision("fp32", CPU.device)
-        loss, norm, _ = _optimizer_step(model, None, model, opt, prec.grad_scaler(), prec,
-                                        ListLoader(batches), len(batches), 0.0, CPU)
+        loss, norm, _ = optimizer_step(model, None, model, opt, prec.grad_scaler(), prec,
+                                       ListLoader(batches), len(batches), 0.0, CPU)
         return [b - p.detach() for b, p in zip(before, model.parameters(), strict=True)], loss
 
     whole, loss_whole = step([(x, y)])  # one batch: the mean over its target tokens
@@ -177,8 +178,8 @@ def test_grad_norm_is_logged_before_clipping():
     x, y = torch.randint(0, 32, (2, 4, 8))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     prec = resolve_precision("fp32", CPU.device)
-    _, norm, _ = _optimizer_step(model, None, model, opt, prec.grad_scaler(), prec,
-                                 ListLoader([(x, y)]), 1, 1e-3, CPU)
+    _, norm, _ = optimizer_step(model, None, model, opt, prec.grad_scaler(), prec,
+                                ListLoader([(x, y)]), 1, 1e-3, CPU)
     assert norm > 1e-3  # the clip threshold did not cap the reported norm
 
 
@@ -714,7 +715,7 @@ def test_compile_auto_falls_back_to_eager_when_the_first_step_fails(inputs, tmp_
 
 
 def test_fp16_overflow_that_never_ends_stops_the_run():
-    from lmforge.train.loop import FP16_OVERFLOW_LIMIT, _check_fp16_overflow
+    from lmforge.train.loop import FP16_OVERFLOW_LIMIT, check_fp16_overflow
     from lmforge.train.precision import Precision
 
     class Scaler:
@@ -722,16 +723,16 @@ def test_fp16_overflow_that_never_ends_stops_the_run():
             return 2.0 ** -14
 
     fp16, fp32, inf = Precision("fp16", "cuda"), Precision("fp32", "cpu"), float("inf")
-    assert _check_fp16_overflow(2.0, inf, fp32, Scaler(), 5, 1) == 0
-    assert _check_fp16_overflow(2.0, 1.0, fp16, Scaler(), 5, 1) == 0  # a good step resets
-    assert _check_fp16_overflow(inf, inf, fp16, Scaler(), 5, 1) == 0  # the NaN guard's case
+    assert check_fp16_overflow(2.0, inf, fp32, Scaler(), 5, 1) == 0
+    assert check_fp16_overflow(2.0, 1.0, fp16, Scaler(), 5, 1) == 0  # a good step resets
+    assert check_fp16_overflow(inf, inf, fp16, Scaler(), 5, 1) == 0  # the NaN guard's case
     streak = 0
     for step in range(1, FP16_OVERFLOW_LIMIT):
-        streak = _check_fp16_overflow(2.0, inf, fp16, Scaler(), streak, step)
+        streak = check_fp16_overflow(2.0, inf, fp16, Scaler(), streak, step)
     assert streak == FP16_OVERFLOW_LIMIT - 1
     with pytest.raises(LmforgeError, match=r"fp16 gradients overflowed 30 steps in a row .*"
                                            r"loss scale now 6.1e-05.*bf16 or fp32"):
-        _check_fp16_overflow(2.0, inf, fp16, Scaler(), streak, FP16_OVERFLOW_LIMIT)
+        check_fp16_overflow(2.0, inf, fp16, Scaler(), streak, FP16_OVERFLOW_LIMIT)
 
 
 def test_init_from_the_stage_output_is_refused(tmp_path):

@@ -26,7 +26,6 @@ from lmforge.shards import ShardSet, WindowLoader
 from lmforge.train import checkpoint as ckpt
 from lmforge.train import runs
 from lmforge.train.distributed import DistEnv
-from lmforge.train.loop import _optimizer_step
 from lmforge.train.optim import (
     CompositeOptimizer,
     build_optimizer,
@@ -36,6 +35,7 @@ from lmforge.train.optim import (
 from lmforge.train.pipeline import TrainPaths
 from lmforge.train.precision import resolve_precision
 from lmforge.train.schedule import lr_at
+from lmforge.train.step import optimizer_step
 
 __all__ = ["inputs"]  # the module fixture, shared with test_train_loop
 
@@ -295,12 +295,12 @@ def test_a_non_finite_step_leaves_muon_and_adamw_untouched(inputs, tmp_path, mon
     precision = resolve_precision("fp32", CPU)
     loader = WindowLoader(ShardSet(inputs.train_shards), 32, 4, seed=0)
     step = (model, None, model, opt, precision.grad_scaler(), precision, loader, 1, 1.0, env)
-    _optimizer_step(*step)  # one good step: momentum buffers exist
+    optimizer_step(*step)  # one good step: momentum buffers exist
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     bufs = {id(p): s["momentum_buffer"].clone() for p, s in opt.parts["muon"].state.items()}
     monkeypatch.setattr(llama_module, "linear_cross_entropy",
                         lambda *a, **k: original(*a, **k) * float("nan"))
-    loss, _, _ = _optimizer_step(*step)
+    loss, _, _ = optimizer_step(*step)
     assert math.isnan(loss)
     for k, v in model.state_dict().items():
         assert torch.equal(v, weights[k]), k

@@ -12,7 +12,8 @@ from test_train_loop import REPO, make_inputs, open_data, tiny_params
 from lmforge.config import ModelConfig, Params
 from lmforge.errors import LmforgeError
 from lmforge.model import llama
-from lmforge.train.selfcheck import add_train_parser, self_check
+from lmforge.train.cli import add_train_parser
+from lmforge.train.selfcheck import self_check
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from lmforge.export.gguf import add_gguf_parser
 from lmforge.mixture.cli import add_mix_parser
 from lmforge.shards.inspect import add_inspect_parser
 from lmforge.train.checkpoints_cli import add_checkpoints_parser
+from lmforge.train.cli import add_train_parser
 from lmforge.train.plan import add_plan_parser
-from lmforge.train.selfcheck import add_train_parser
 
 
 def cmd_generate(args: argparse.Namespace) -> None:

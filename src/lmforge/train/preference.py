@@ -6,8 +6,9 @@ DPO (Rafailov et al. 2023) trains a policy on pairs (prompt, chosen y_w, rejecte
 
 with log-probabilities summed over the response tokens only, and ``ref`` the frozen
 model the policy starts from. ``beta * (log pi - log ref)`` is a response's implicit
-reward; the reward margin is chosen's minus rejected's, and a pair counts as preferred
-when the margin is > 0 (the preference accuracy).
+reward; the reward margin is chosen's minus rejected's, and the share of pairs whose
+margin is > 0 is the reward accuracy (``reward_accuracy``, as ``evaluate.preferences``
+names it; evaluation's ``pref_accuracy`` is another figure: chosen the more likely).
 
 The reference's log-probabilities never change, so each pair's are computed once, the
 first time a batch holds it, and cached for the rest of the run: a run computes them for
@@ -115,7 +116,7 @@ class DpoObjective:
     reference) over the val responses.
     """
 
-    stats = ("pairs", "reward_margin", "pref_accuracy", "reward_chosen", "reward_rejected",
+    stats = ("pairs", "reward_margin", "reward_accuracy", "reward_chosen", "reward_rejected",
              "logp_chosen", "logp_rejected", "nll_chosen")
 
     def __init__(self, beta: float, reference: Llama, train_docs: int, val_docs: int,
@@ -226,7 +227,7 @@ class DpoObjective:
     @torch.no_grad()
     def evaluate(self, model: Llama, data: Any, params: Params, precision: Precision,
                  env: DistEnv) -> dict[str, float]:
-        """Val DPO loss, preference accuracy, reward margin, and KL to the reference per
+        """Val DPO loss, reward accuracy, reward margin, and KL to the reference per
         response token, over ``eval_batches`` batches of val rows (all with 0)."""
         model.eval()
         sums = torch.zeros(len(self.stats) + 3, dtype=torch.float64, device=env.device)
@@ -256,7 +257,7 @@ class DpoObjective:
         totals = sums.tolist()
         n = totals[0] or float("nan")
         return {"val_loss": totals[len(self.stats)] / n,
-                "val_pref_accuracy": totals[self.stats.index("pref_accuracy")] / n,
+                "val_reward_accuracy": totals[self.stats.index("reward_accuracy")] / n,
                 "val_reward_margin": totals[self.stats.index("reward_margin")] / n,
                 "val_kl_per_token": totals[-2] / (totals[-1] or float("nan"))}
 

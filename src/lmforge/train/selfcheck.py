@@ -10,24 +10,22 @@ dtype mistakes that otherwise show up hours into a run as a bad loss curve.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import torch
 
 from lmforge.config import Params
-from lmforge.errors import LmforgeError
 from lmforge.model.llama import Llama
 from lmforge.model.loss import IGNORE_INDEX
 from lmforge.train.distributed import DistEnv, resolve_device
+from lmforge.train.objectives import TrainData
 from lmforge.train.optim import build_optimizer
 from lmforge.train.precision import resolve_precision
+from lmforge.train.step import optimizer_step
 
 NUM_BATCHES = 10
 LOSS_TOLERANCE = 0.5  # |initial loss - ln(vocab)|, nats
@@ -83,24 +81,13 @@ class _Repeat:
         return self.batch
 
 
-def self_check(params: Params, data: Any = None, device: torch.device | str | None = None
+def self_check(params: Params, data: TrainData, device: torch.device | str | None = None
                ) -> SelfCheckReport:
-    """Run every check on ``data`` (a ``TrainData``; default: the shards under the cwd)."""
-    from lmforge.train.loop import _optimizer_step, open_shard_data
-    from lmforge.train.pipeline import TrainPaths
-
-    mcfg, cfg = params.model, params.train
-    if data is None:
-        paths = TrainPaths()
-        data = open_shard_data(paths.train_shards, paths.val_shards)
-    device = resolve_device(str(device) if device is not None else cfg.device)
-    env = DistEnv(0, 1, 0, device)
-    precision = resolve_precision(cfg.precision, device)
-    vocab = int(data.train.vocab_size)
+    """Run every check on ``data`` (the train stage's shards, opened); a failed check
+    stops the rest."""
+    device = resolve_device(str(device) if device is not None else params.train.device)
     report = SelfCheckReport()
-    state: dict[str, Any] = {}
-
-    def run(name: str, check: Callable[[], str]) -> bool:
+    for name, check in _Checks(params, data, device).steps():
         t0 = time.perf_counter()
         try:
             detail, ok = check(), True
@@ -110,60 +97,85 @@ def self_check(params: Params, data: Any = None, device: torch.device | str | No
             first = str(e).splitlines()[0] if str(e) else ""
             detail, ok = f"{type(e).__name__}: {first}", False
         report.checks.append(Check(name, ok, detail, time.perf_counter() - t0))
-        return ok
+        if not ok:
+            break
+    return report
 
-    def batches() -> str:
-        doc_info = {"return_doc_info": True} if mcfg.doc_mask else {}
-        loader = data.make_loader(data.train, mcfg.seq_len, cfg.micro_batch_size, cfg.seed,
-                                  **doc_info)
+
+class _Checks:
+    """The checks, in order, on one setup; each returns its detail or raises ``_Failed``."""
+
+    def __init__(self, params: Params, data: TrainData, device: torch.device) -> None:
+        self.mcfg, self.cfg, self.data, self.device = params.model, params.train, data, device
+        self.env = DistEnv(0, 1, 0, device)
+        self.precision = resolve_precision(self.cfg.precision, device)
+        self.vocab = int(data.train.vocab_size)
+        self.batches: list[tuple[torch.Tensor, ...]] = []
+        self.model: Llama | None = None
+
+    def steps(self) -> list[tuple[str, Callable[[], str]]]:
+        """(name, check) in the order they run."""
+        steps: list[tuple[str, Callable[[], str]]] = [
+            ("batch shapes", self.check_batches), ("targets shifted", self.shifted),
+            ("model", self.check_model), ("initial loss", self.initial_loss),
+            ("ignore_index", self.check_ignore_index), ("causal mask", self.causal)]
+        if self.mcfg.doc_mask:
+            steps.append(("document mask", self.document_mask))
+        return steps + [("finite loss/grads", self.finite_grads),
+                        ("two optimizer steps", self.two_steps)]
+
+    def check_batches(self) -> str:
+        doc_info = {"return_doc_info": True} if self.mcfg.doc_mask else {}
+        loader = self.data.make_loader(self.data.train, self.mcfg.seq_len,
+                                       self.cfg.micro_batch_size, self.cfg.seed, **doc_info)
         got = [tuple(torch.as_tensor(t) for t in loader.next_batch())
                for _ in range(NUM_BATCHES)]
-        want = (cfg.micro_batch_size, mcfg.seq_len)
+        want = (self.cfg.micro_batch_size, self.mcfg.seq_len)
         for i, b in enumerate(got):
             for t in b:
                 _expect(tuple(t.shape) == want, f"batch {i}: shape {tuple(t.shape)}, "
                         f"expected {want}")
                 _expect(t.dtype == torch.int64, f"batch {i}: dtype {t.dtype}, expected int64")
             lo, hi = int(b[0].min()), int(b[0].max())
-            _expect(lo >= 0 and hi < vocab, f"batch {i}: token ids {lo}..{hi} outside "
-                    f"[0, {vocab})")
-        state["batches"] = [tuple(t.to(device) for t in b) for b in got]
-        return f"{NUM_BATCHES} x {want}, ids < {vocab}"
+            _expect(lo >= 0 and hi < self.vocab, f"batch {i}: token ids {lo}..{hi} outside "
+                    f"[0, {self.vocab})")
+        self.batches = [tuple(t.to(self.device) for t in b) for b in got]
+        return f"{NUM_BATCHES} x {want}, ids < {self.vocab}"
 
-    def shifted() -> str:
-        for i, (x, y, *_) in enumerate(state["batches"]):
+    def shifted(self) -> str:
+        for i, (x, y, *_) in enumerate(self.batches):
             _expect(torch.equal(x[:, 1:], y[:, :-1]),
                     f"batch {i}: targets are not the inputs shifted by one token")
         return "targets[t] == inputs[t + 1]"
 
-    def build() -> str:
-        torch.manual_seed(cfg.seed)
-        model = Llama(mcfg, vocab).to(device)
-        model.label_smoothing, model.z_loss = cfg.label_smoothing, cfg.z_loss
-        model.fused_loss = cfg.fused_loss
-        state["model"] = model
-        return f"{model.num_params():,} parameters, {precision.name} on {device}"
+    def check_model(self) -> str:
+        torch.manual_seed(self.cfg.seed)
+        model = Llama(self.mcfg, self.vocab).to(self.device)
+        model.label_smoothing, model.z_loss = self.cfg.label_smoothing, self.cfg.z_loss
+        model.fused_loss = self.cfg.fused_loss
+        self.model = model
+        return f"{model.num_params():,} parameters, {self.precision.name} on {self.device}"
 
-    def initial_loss() -> str:
-        model = state["model"].eval()
-        with torch.no_grad(), precision.autocast():
+    def initial_loss(self) -> str:
+        model = self.model.eval()
+        with torch.no_grad(), self.precision.autocast():
             losses = [float(model(b[0], b[1], positions=_positions(b))[1])
-                      for b in state["batches"]]
-        loss, expected = sum(losses) / len(losses), math.log(vocab)
+                      for b in self.batches]
+        loss, expected = sum(losses) / len(losses), math.log(self.vocab)
         _expect(math.isfinite(loss), f"loss {loss} is not finite")
         _expect(abs(loss - expected) < LOSS_TOLERANCE,
                 f"mean loss {loss:.3f} is not within {LOSS_TOLERANCE} of ln(vocab) = "
                 f"{expected:.3f}: check the initialisation and the loss")
-        return f"{loss:.3f} vs ln({vocab}) = {expected:.3f}"
+        return f"{loss:.3f} vs ln({self.vocab}) = {expected:.3f}"
 
-    def ignore_index() -> str:
-        model = state["model"]
-        x, y, *_ = state["batches"][0]
+    def check_ignore_index(self) -> str:
+        model = self.model
+        x, y, *_ = self.batches[0]
         half = y.size(1) // 2
         masked = y.clone()
         masked[:, :half] = IGNORE_INDEX
-        positions = _positions(state["batches"][0])
-        with torch.no_grad(), precision.autocast():
+        positions = _positions(self.batches[0])
+        with torch.no_grad(), self.precision.autocast():
             logits = model(x, positions=positions)
             # The training loss (fused or not) against the plain loss of the logits.
             got = float(model(x, masked, positions=positions)[1])
@@ -173,15 +185,15 @@ def self_check(params: Params, data: Any = None, device: torch.device | str | No
                 f"other half alone {ref:.5f}: ignored targets still count")
         return f"targets = {IGNORE_INDEX} do not count"
 
-    def causal() -> str:
-        model = state["model"]
-        b = state["batches"][0]
+    def causal(self) -> str:
+        model = self.model
+        b = self.batches[0]
         x, cut = b[0][:1], b[0].size(1) // 2
         changed = x.clone()
-        changed[:, cut:] = (changed[:, cut:] + 1) % vocab
+        changed[:, cut:] = (changed[:, cut:] + 1) % self.vocab
         pos = _positions(b)
         pos = None if pos is None else pos[:1]
-        with torch.no_grad(), precision.autocast():
+        with torch.no_grad(), self.precision.autocast():
             a, c = model(x, positions=pos).float(), model(changed, positions=pos).float()
         drift = float((a[:, :cut] - c[:, :cut]).abs().max())
         _expect(drift < 1e-3 * max(1.0, float(a.abs().max())),
@@ -191,9 +203,9 @@ def self_check(params: Params, data: Any = None, device: torch.device | str | No
                 "changing tokens did not change their own logits")
         return f"logits before position {cut} unchanged by later tokens"
 
-    def document_mask() -> str:
-        model = state["model"]
-        for b in state["batches"]:
+    def document_mask(self) -> str:
+        model = self.model
+        for b in self.batches:
             rows, cols = torch.nonzero(b[2][:, 1:] == 0, as_tuple=True)
             if len(rows):
                 break
@@ -202,8 +214,8 @@ def self_check(params: Params, data: Any = None, device: torch.device | str | No
         row, start = int(rows[0]), int(cols[0]) + 1
         x, pos = b[0][row:row + 1], b[2][row:row + 1]
         changed = x.clone()
-        changed[:, :start] = (changed[:, :start] + 1) % vocab
-        with torch.no_grad(), precision.autocast():
+        changed[:, :start] = (changed[:, :start] + 1) % self.vocab
+        with torch.no_grad(), self.precision.autocast():
             a, c = model(x, positions=pos).float(), model(changed, positions=pos).float()
         drift = float((a[:, start:] - c[:, start:]).abs().max())
         _expect(drift < 1e-3 * max(1.0, float(a.abs().max())),
@@ -211,10 +223,10 @@ def self_check(params: Params, data: Any = None, device: torch.device | str | No
                 "attention crosses document boundaries")
         return f"a document starting at {start} ignores the one before"
 
-    def finite_grads() -> str:
-        model = state["model"].train()
-        b = state["batches"][0]
-        with precision.autocast():
+    def finite_grads(self) -> str:
+        model = self.model.train()
+        b = self.batches[0]
+        with self.precision.autocast():
             _, loss = model(b[0], b[1], positions=_positions(b))
         loss.backward()
         value = float(loss.detach())
@@ -225,44 +237,34 @@ def self_check(params: Params, data: Any = None, device: torch.device | str | No
         model.zero_grad(set_to_none=True)
         return "loss and every parameter's gradient finite"
 
-    def two_steps() -> str:
-        model = state["model"].train()
+    def two_steps(self) -> str:
+        model = self.model.train()
         # A small lr: Adam's first steps move every weight by about lr whatever its
         # gradient's size, so at a large max_lr two steps can overshoot and raise the loss
         # of a healthy model; at 1e-4 they must lower it unless the gradients are wrong.
-        probe_lr = min(cfg.max_lr, 1e-4)
-        optimizer = build_optimizer(model, dataclasses.replace(cfg, max_lr=probe_lr), device)
-        scaler = precision.grad_scaler()
+        probe_lr = min(self.cfg.max_lr, 1e-4)
+        optimizer = build_optimizer(model, dataclasses.replace(self.cfg, max_lr=probe_lr),
+                                    self.device)
+        scaler = self.precision.grad_scaler()
         before = [p.detach().clone() for p in model.parameters()]
-        loader = _Repeat(state["batches"][0])
+        loader = _Repeat(self.batches[0])
         losses = []
         for _ in range(2):
-            loss, norm, _ = _optimizer_step(model, None, model, optimizer, scaler, precision,
-                                            loader, 1, cfg.grad_clip, env)
+            loss, norm, _ = optimizer_step(model, None, model, optimizer, scaler,
+                                           self.precision, loader, 1, self.cfg.grad_clip,
+                                           self.env)
             _expect(math.isfinite(loss) and math.isfinite(norm),
                     f"step loss {loss} / grad_norm {norm} not finite")
             losses.append(loss)
         moved = max(float((p.detach() - b).abs().max())
                     for p, b in zip(model.parameters(), before, strict=True))
         _expect(moved > 0, "two optimizer steps left every weight unchanged")
-        b = state["batches"][0]
-        with torch.no_grad(), precision.autocast():
+        b = self.batches[0]
+        with torch.no_grad(), self.precision.autocast():
             after = float(model.eval()(b[0], b[1], positions=_positions(b))[1])
         _expect(after < losses[0], f"loss on the repeated batch went {losses[0]:.4f} -> "
                 f"{after:.4f} after two steps at lr {probe_lr:g}")
         return f"loss on a repeated batch {losses[0]:.4f} -> {after:.4f}"
-
-    steps: list[tuple[str, Callable[[], str]]] = [
-        ("batch shapes", batches), ("targets shifted", shifted), ("model", build),
-        ("initial loss", initial_loss), ("ignore_index", ignore_index),
-        ("causal mask", causal)]
-    if mcfg.doc_mask:
-        steps.append(("document mask", document_mask))
-    steps += [("finite loss/grads", finite_grads), ("two optimizer steps", two_steps)]
-    for name, check in steps:
-        if not run(name, check):
-            break
-    return report
 
 
 class _Failed(Exception):
@@ -276,34 +278,3 @@ def _expect(cond: bool, message: str) -> None:
 
 def _positions(batch: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
     return batch[2] if len(batch) > 2 else None
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def cmd_train(args: argparse.Namespace) -> None:
-    """``lmforge train``: the train stage, or with ``--self-check`` only the self-check."""
-    from lmforge.config import load_params
-    from lmforge.train.pipeline import TrainPaths, run_train_stage
-
-    params = load_params(args.params)
-    if args.self_check:
-        report = self_check(params)
-        print(report.table())
-        if not report.ok:
-            raise LmforgeError(report.error_line())
-        return
-    run_train_stage(params, TrainPaths())
-
-
-def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``train [--self-check] [--params params.yaml]``."""
-    p = subparsers.add_parser(
-        "train", help="train the model (the train stage), or --self-check it in seconds")
-    p.add_argument("--self-check", action="store_true",
-                   help="10 batches and 2 optimizer steps: shapes, masks, initial loss, "
-                        "finiteness; exits non-zero naming the failed check")
-    p.add_argument("--params", default="params.yaml", type=Path,
-                   help="params file (default: params.yaml)")
-    p.set_defaults(func=cmd_train)
-    return p

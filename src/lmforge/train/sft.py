@@ -17,22 +17,14 @@ from typing import Any
 
 from lmforge.config import ModelConfig, Params, TrainConfig
 from lmforge.errors import InputError
-from lmforge.io import write_json, write_text
+from lmforge.io import write_json
 from lmforge.model.frozen import copy_model, restore_fp32
 from lmforge.model.lora import adamw_state_bytes, merge_lora, save_adapter, trainable_parameters
 from lmforge.model.saved import load_model, save_model
 from lmforge.shards.format import file_sha256
-from lmforge.tokenizer.files import find_tokenizer, tokenizer_sha256
-from lmforge.train import distributed
-from lmforge.train.loop import TrainData, TrainResult, open_shard_data, train
-from lmforge.train.pipeline import (
-    VAL_TSV_COLUMNS,
-    failing_run_on_error,
-    history_tsv,
-    relaunched,
-    special_ids,
-)
-from lmforge.train.warm_start import ensure_outside
+from lmforge.train import runner
+from lmforge.train.loop import TrainResult
+from lmforge.train.objectives import TrainData, open_shard_data
 
 
 @dataclass
@@ -67,12 +59,9 @@ def open_sft_data(params: Params, paths: SftPaths, tokenizer_sha: str) -> TrainD
         from lmforge.shards.loader import ShardSet
 
         data.replay, data.replay_share = ShardSet(paths.replay_shards), params.sft.replay
-    for where, shards in ((paths.train_shards, data.train), (paths.val_shards, data.val),
-                          (paths.replay_shards, data.replay)):
-        if shards is not None and shards.tokenizer_sha256 != tokenizer_sha:
-            raise InputError(f"{where}: tokenized with tokenizer {shards.tokenizer_sha256[:12]}"
-                             f", but {paths.tokenizer} is {tokenizer_sha[:12]}; rerun the "
-                             "sft_data / shards stage")
+    sets = [(paths.train_shards, data.train), (paths.val_shards, data.val),
+            (paths.replay_shards, data.replay)]
+    runner.check_tokenized(sets, paths.tokenizer, tokenizer_sha, "the sft_data / shards stage")
     if not data.train.has_loss_mask:
         raise InputError(f"{paths.train_shards}: no loss mask (written by the sft_data stage?)")
     return data
@@ -90,24 +79,24 @@ def base_config(init_from: str, tokenizer_sha: str) -> ModelConfig:
 
 def run_sft_stage(params: Params, paths: SftPaths, module: str = "stages.sft") -> None:
     """Fine-tune as params say; with ``sft.nproc > 1`` re-launch through torchrun first."""
-    cfg = params.sft
-    if relaunched(cfg.nproc, module, "sft"):
-        return
-    ensure_outside(cfg.init_from, paths.final, "an output of this stage", "sft.init_from")
-    env = distributed.setup(cfg.device, cfg.num_threads)
-    try:
-        if find_tokenizer(paths.tokenizer) is None:
-            raise InputError(f"{paths.tokenizer}: no tokenizer (run the tokenizer stage)")
-        tokenizer_sha = tokenizer_sha256(paths.tokenizer)
-        data = open_sft_data(params, paths, tokenizer_sha)
+    runner.run_training_stage(params, sft_spec(paths, module))
+
+
+def sft_spec(paths: SftPaths, module: str = "stages.sft") -> runner.StageSpec:
+    """Fine-tuning: next-token prediction on the masked rows, from ``sft.init_from``."""
+
+    def open_data(params: Params, tokenizer_sha: str) -> TrainData:
+        return open_sft_data(params, paths, tokenizer_sha)
+
+    def run_params(params: Params, data: TrainData, tokenizer_sha: str) -> Params:
         seq_len = int(data.train.manifest.get("seq_len", 0)) or params.sft_data.seq_len
-        run_params = loop_params(params, base_config(cfg.init_from, tokenizer_sha), seq_len)
-        result = train(run_params, data, paths.checkpoints, tokenizer_sha, env, stage="sft")
-        if env.is_main:
-            with failing_run_on_error(result, paths.checkpoints):
-                write_sft_outputs(result, params, data, paths, tokenizer_sha)
-    finally:
-        distributed.teardown()
+        return loop_params(params, base_config(params.sft.init_from, tokenizer_sha), seq_len)
+
+    def write(params: Params, data: TrainData, result: TrainResult, sha: str) -> None:
+        write_sft_outputs(result, params, data, paths, sha)
+
+    return runner.StageSpec("sft", module, paths.tokenizer, paths.checkpoints, paths.final,
+                            open_data, write, loop_params=run_params)
 
 
 def write_sft_outputs(result: TrainResult, params: Params, data: TrainData, paths: SftPaths,
@@ -115,9 +104,7 @@ def write_sft_outputs(result: TrainResult, params: Params, data: TrainData, path
     """models/sft (merged; + adapter/ with LoRA), metrics/sft.json, plots/sft*.tsv."""
     trained = save_tuned(result, params.sft, paths.final, paths.tokenizer, tokenizer_sha)
     write_json(paths.metrics, {**result.metrics, **sft_facts(params, data, trained)})
-    write_text(paths.plots, history_tsv(result.history))
-    write_text(paths.val_plots, history_tsv(
-        [r for r in result.history if r.get("val_loss") is not None], VAL_TSV_COLUMNS))
+    runner.write_curves(result.history, paths.plots, paths.val_plots)
 
 
 def save_tuned(result: TrainResult, cfg: TrainConfig, final: Path, tokenizer: Path,
@@ -131,7 +118,7 @@ def save_tuned(result: TrainResult, cfg: TrainConfig, final: Path, tokenizer: Pa
     lora = cfg.lora is not None
     # Merged in fp32 and saved fp32, whatever dtype the frozen base was held in.
     merged = restore_fp32(merge_lora(copy_model(model))) if lora else model
-    save_model(merged, final, tokenizer, special_ids=special_ids(tokenizer),
+    save_model(merged, final, tokenizer, special_ids=runner.special_ids(tokenizer),
                tokenizer_sha256=tokenizer_sha, fingerprint=result.fingerprint,
                init_from=cfg.init_from)
     if lora:
