@@ -5,6 +5,7 @@ adapters only, bit-identical resume, activation checkpointing with adapters."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -12,12 +13,20 @@ from test_train_loop import make_inputs, run, tiny_params
 
 from lmforge.config import LoraConfig, ModelConfig
 from lmforge.errors import ConfigError
-from lmforge.model.frozen import frozen_dtype, hold_frozen_in, resolve_base_dtype, restore_fp32
+from lmforge.model.frozen import (
+    compile_step_model,
+    frozen_dtype,
+    hold_frozen_in,
+    is_nf4,
+    resolve_base_dtype,
+    restore_fp32,
+)
 from lmforge.model.llama import Llama
 from lmforge.model.lora import apply_lora, lora_modules, merge_lora
 from lmforge.model.saved import load_checkpoint_model, save_model
 from lmforge.train import checkpoint as ckpt
 from lmforge.train import runs
+from lmforge.train.compiler import compile_support
 
 CFG = ModelConfig(n_layer=2, n_head=4, n_embd=64, seq_len=32)
 
@@ -179,3 +188,45 @@ def test_a_lora_dpo_reference_is_held_as_the_policy_base(base_dir):
                                       lora=LoraConfig(rank=4, base_dtype=dtype)))
         objective = make_objective(params, Params(model=CFG), data, CPU)
         assert frozen_dtype(objective.reference) == want
+
+
+# --------------------------------------------------------------------------- compiled
+
+
+def _compiled_saved_bytes(dtype: str) -> int:
+    """Bytes the compiled training forward saves for backward that are not the model's
+    own tensors (the pack hook sees what AOTAutograd's compiled function saves). Dynamo
+    starts afresh, as in a training process: after another compile of the same code it
+    would recompile with dynamic shapes, a different graph to partition."""
+    torch._dynamo.reset()
+    model = adapted(targets=("attn", "mlp"))
+    hold_frozen_in(model, dtype)
+    step_model = compile_step_model(model, model, None)  # fp32 compute, as on a CPU
+    own = {p.untyped_storage().data_ptr() for p in model.parameters() if not is_nf4(p)}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not is_nf4(t) and t.untyped_storage().data_ptr() not in own:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x, y = torch.randint(0, 300, (2, 2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = step_model(x, y)[1]
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    return sum(seen.values())
+
+
+@pytest.mark.skipif(compile_support(torch.device("cpu")) is not None,
+                    reason="torch.compile cannot build here")
+@pytest.mark.parametrize("dtype", ["bf16", pytest.param("nf4", marks=pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None, reason="torchao is not installed"))])
+def test_compiled_step_keeps_no_cast_copy_of_a_16_bit_or_nf4_base(dtype):
+    """Inductor's partitioner would save the fp32 (dequantised) copy of every frozen
+    matrix for backward; compile_step_model makes backward recompute it, so a 16-bit or
+    NF4 base saves no more than an fp32 base does."""
+    fp32 = _compiled_saved_bytes("fp32")
+    weights = sum(m.weight.numel() * 4 for name, m in adapted(("attn", "mlp")).named_modules()
+                  if name.endswith(".base"))
+    assert _compiled_saved_bytes(dtype) <= fp32 < fp32 + weights

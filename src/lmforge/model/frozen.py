@@ -273,6 +273,47 @@ def restore_fp32(model: nn.Module) -> nn.Module:
     return model
 
 
+def stored_apart(model: nn.Module, compute_dtype: torch.dtype | None) -> bool:
+    """Whether the frozen base computes in another form than it is stored in: NF4, or a
+    16-bit base under fp32 compute (``compute_dtype`` None: no autocast)."""
+    held = frozen_dtype(model)
+    return held == "nf4" or (held in ("bf16", "fp16") and DTYPES[held] != compute_dtype)
+
+
+class StoredWeightsCompiled(nn.Module):
+    """A compiled module whose backward recomputes a frozen weight's cast or dequantised
+    form from the stored weight rather than saving it.
+
+    Inductor's partitioner bans recomputing anything backward must materialise, and any
+    op outside its allowlist (NF4's table lookup), so it saved the fp32 cast of every
+    16-bit frozen matrix, and the dequantised bf16 of every NF4 one, for backward: a
+    16-bit or NF4 base then held more in a step than an fp32 one (bench/RESULTS.md). The
+    two bans are lifted while the compiled module runs forward, which is when
+    AOTAutograd partitions the graph; a cast or a dequantisation is cheap beside the
+    matmul that reads it. (An fp32 base, or a 16-bit one under 16-bit autocast, is
+    compiled as it was.)
+    """
+
+    def __init__(self, compiled: nn.Module) -> None:
+        super().__init__()
+        self.compiled = compiled
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        import torch._functorch.config as functorch_config
+
+        with functorch_config.patch(ban_recompute_materialized_backward=False,
+                                    ban_recompute_not_in_allowlist=False):
+            return self.compiled(*args, **kwargs)
+
+
+def compile_step_model(step_model: nn.Module, model: nn.Module,
+                       compute_dtype: torch.dtype | None) -> nn.Module:
+    """``torch.compile(step_model)``, keeping only the stored frozen weights for backward
+    where ``model``'s base is :func:`stored_apart` (:class:`StoredWeightsCompiled`)."""
+    compiled = torch.compile(step_model)
+    return StoredWeightsCompiled(compiled) if stored_apart(model, compute_dtype) else compiled
+
+
 def frozen_dtype(model: nn.Module) -> str:
     """The dtype the model's frozen matrices are held in (``nf4`` if any is NF4; ``fp32``
     with none frozen)."""

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lmforge.config import Params, section_name
 from lmforge.errors import InputError, LmforgeError
-from lmforge.model.frozen import resolve_base_dtype
+from lmforge.model.frozen import compile_step_model, resolve_base_dtype
 from lmforge.model.llama import Llama
 from lmforge.model.lora import trainable_parameters
 from lmforge.model.saved import save_weights
@@ -302,7 +302,8 @@ class Trainer:
             self.compiled_how += " per block" if compiled else ""
             compiled = False  # the blocks were compiled before sharding, if at all
         elif compiled:
-            self.step_model = torch.compile(self.step_model)
+            self.step_model = compile_step_model(self.step_model, model,
+                                                 self.precision.autocast_dtype)
         # A broken toolchain shows at the first step: keep what it changes, so compile:
         # auto can retry that step eager from the same point.
         self.fallback = ((copy.deepcopy(self.live.loader.state_dict()),
