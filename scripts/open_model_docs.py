@@ -7,6 +7,10 @@ times were kept beside them (``record.json``). This script writes the table betw
 ``<!-- walkthrough -->`` and ``<!-- /walkthrough -->`` from those files, so the page never
 types a figure twice; tests/test_open_model_docs.py fails when the page and the record
 disagree. Usage: ``python scripts/open_model_docs.py``.
+
+It also writes the LoRA base-precision table (``lora_precision.json`` there, from
+``bench/bench_lora_precision.py``) between ``<!-- lora-precision -->`` and
+``<!-- /lora-precision -->`` in the page and in bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "open-models.md"
+RESULTS = REPO / "bench" / "RESULTS.md"
 RUN = REPO / "docs" / "runs" / "smollm2-135m-instruct"
 REGION = re.compile(r"(<!-- walkthrough -->\n).*?(<!-- /walkthrough -->)", re.S)
+PRECISION = re.compile(r"(<!-- lora-precision -->\n).*?(<!-- /lora-precision -->)", re.S)
 PARAMS = re.compile(r"(<!-- walkthrough-params -->\n).*?(<!-- /walkthrough-params -->)", re.S)
 
 
@@ -31,6 +37,12 @@ def pm(d: dict, key: str, digits: int = 3) -> str:
     """``value ± stderr`` of a metrics entry."""
     err = d.get(f"{key}_stderr")
     return f"{d[key]:.{digits}f}" + (f" ± {err:.{digits}f}" if err is not None else "")
+
+
+def reward_accuracy(dpo: dict) -> float:
+    """DPO training's val share of pairs with a positive reward margin (the record was
+    written when training still called it ``val_pref_accuracy``)."""
+    return dpo.get("val_reward_accuracy", dpo.get("val_pref_accuracy"))
 
 
 def seconds(record: dict, stage: str, steps: int | None = None) -> str:
@@ -64,7 +76,7 @@ def table() -> str:
          f"{pm(post['base'], 'response_loss')} -> {pm(post['sft'], 'response_loss')}",
          seconds(rec, "sft", sft["steps"])),
         ("dpo", f"LoRA, beta {dpo['beta']}, {dpo['steps']} steps on {dpo['train_pairs']:,} "
-         f"pairs: val preference accuracy {dpo['val_pref_accuracy']:.3f}, KL to the reference "
+         f"pairs: val reward accuracy {reward_accuracy(dpo):.3f}, KL to the reference "
          f"{dpo['val_kl_per_token']:.4f}/token", seconds(rec, "dpo", dpo["steps"])),
         ("evaluate_post", "forgetting, val bits/byte against the base: sft "
          f"{post['forgetting_bits_per_byte']['sft']['mix_weighted']:+.3f}, dpo "
@@ -86,6 +98,41 @@ def table() -> str:
     return "\n".join(lines) + "\n"
 
 
+def precision_label(side: str) -> str:
+    """``bf16:eager`` -> ``bf16, eager``; a plain dtype ran as the stage's default
+    (``sft.compile: auto``, compiled on this CPU)."""
+    dtype, _, mode = side.partition(":")
+    return f"{dtype}, {mode or 'compiled'}"
+
+
+def precision_table() -> str:
+    """The same LoRA SFT run with the frozen base held in fp32, bf16 and NF4."""
+    rec = load("lora_precision.json")
+    runs, meta = rec["runs"], rec["meta"]
+    lines = ["| frozen base | peak RSS (vs fp32) | s/step: median logged / whole run | val loss | "
+             "held-out token accuracy | response loss | merged vs unmerged, max abs logit |",
+             "|---|---|---|---|---|---|---|"]
+    for side, r in runs.items():
+        mode = side.partition(":")[2]
+        fp32 = runs["fp32:" + mode if mode else "fp32"]
+        lines.append(
+            f"| {precision_label(side)} | {r['peak_rss_mib']:,} MiB "
+            f"({r['peak_rss_mib'] / fp32['peak_rss_mib']:.2f}x) | {r['median_step_s']:.1f} / "
+            f"{r['s_per_step']:.1f} | {r['val_loss']:.4f} | {pm(r, 'token_accuracy')} | "
+            f"{pm(r, 'response_loss')} | {r['merged_vs_unmerged_max_abs_logit']:.1e} |")
+    first = next(iter(runs.values()))
+    before = rec.get("before_fix")
+    if before:
+        lines += ["", "Before the fix: " + ", ".join(
+            f"{precision_label(side)} {r['peak_rss_mib']:,} MiB, {r['median_step_s']:.1f} s/step"
+            for side, r in before["runs"].items()) + f" ({before['conditions']})."]
+    lines += ["", f"{first['steps']} steps of the walkthrough's LoRA SFT each; held-out "
+              f"figures on the first {first['records']} test conversations. Measured "
+              f"{meta['date']} on {meta['machine']} at lmforge {meta['commit']}; "
+              f"{meta['conditions']}. Command:", "", f"    {meta['command']}"]
+    return "\n".join(lines) + "\n"
+
+
 def params_block() -> str:
     """The run's params overlay, as a fenced YAML block."""
     body = (RUN / "params.yaml").read_text(encoding="utf-8")
@@ -96,15 +143,17 @@ def params_block() -> str:
 def render(page: str) -> str:
     """The page with the walkthrough's params and table recomputed."""
     page = PARAMS.sub(lambda m: m.group(1) + params_block() + m.group(2), page)
+    page = PRECISION.sub(lambda m: m.group(1) + precision_table() + m.group(2), page)
     return REGION.sub(lambda m: m.group(1) + table() + m.group(2), page)
 
 
 def main() -> int:
-    text = render(PAGE.read_text(encoding="utf-8"))
-    tmp = PAGE.with_suffix(".md.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(PAGE)  # atomic: a reader sees the old page or the new one
-    print(f"wrote {PAGE.relative_to(REPO)}")
+    for page in (PAGE, RESULTS):
+        text = render(page.read_text(encoding="utf-8"))
+        tmp = page.with_suffix(".md.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(page)  # atomic: a reader sees the old page or the new one
+        print(f"wrote {page.relative_to(REPO)}")
     return 0
 
 

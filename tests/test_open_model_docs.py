@@ -25,6 +25,17 @@ def test_the_walkthrough_table_is_the_records_figures():
         "python scripts/open_model_docs.py"
 
 
+def test_the_precision_table_is_the_benchs_figures_in_the_page_and_in_results():
+    mod = load_script()
+    record = json.loads((mod.RUN / "lora_precision.json").read_text())
+    for path in (mod.PAGE, mod.RESULTS):
+        page = path.read_text(encoding="utf-8")
+        region = page.split("<!-- lora-precision -->")[1].split("<!-- /lora-precision -->")[0]
+        assert page == mod.render(page), f"{path} is stale: run python scripts/open_model_docs.py"
+        for side, run in record["runs"].items():
+            assert f"| {mod.precision_label(side)} | {run['peak_rss_mib']:,} MiB" in region
+
+
 def test_a_changed_figure_in_the_record_changes_the_table(tmp_path, monkeypatch):
     mod = load_script()
     for f in mod.RUN.iterdir():
@@ -36,3 +47,7 @@ def test_a_changed_figure_in_the_record_changes_the_table(tmp_path, monkeypatch)
     monkeypatch.setattr(mod, "RUN", tmp_path)
     assert mod.table() != before
     assert f"{post['sft']['token_accuracy']:.3f}" in mod.table()
+    precision = json.loads((tmp_path / "lora_precision.json").read_text())
+    precision["runs"]["bf16"]["token_accuracy"] += 0.1234
+    (tmp_path / "lora_precision.json").write_text(json.dumps(precision))
+    assert f"{precision['runs']['bf16']['token_accuracy']:.3f}" in mod.precision_table()
