@@ -418,7 +418,7 @@ def driver_rates(ingested: Path, out: Path) -> dict[str, float]:
     import pyarrow as pa
 
     from lmforge.data import dedup
-    from lmforge.data.ingest import _drop_duplicate_ids
+    from lmforge.data.ingest import drop_duplicate_ids
     from lmforge.data.records import PartWriter, iter_batches
 
     files = sorted(ingested.glob("part-*.parquet"))
@@ -431,7 +431,7 @@ def driver_rates(ingested: Path, out: Path) -> dict[str, float]:
         parts = PartWriter(out, 500)
         for f in files:
             for batch in iter_batches(f):
-                parts.add(_drop_duplicate_ids(pa.Table.from_batches([batch]), seen)[0])
+                parts.add(drop_duplicate_ids(pa.Table.from_batches([batch]), seen)[0])
         parts.close()
         best = min(best, time.perf_counter() - t)
     shutil.rmtree(out, ignore_errors=True)

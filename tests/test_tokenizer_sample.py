@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lmforge.tokenizer.sample import _water_fill, balanced_sample, doc_key
+from lmforge.tokenizer.sample import balanced_sample, doc_key, water_fill
 
 
 def write_parts(root: Path, rows: list[tuple[str, str, str]], n_parts: int) -> list[Path]:
@@ -46,7 +46,7 @@ def reference_sample(rows: list[tuple[str, str, str]], budget: int, seed: int) -
     for doc_id, text, domain in rows:
         per_domain.setdefault(domain, {}).setdefault(doc_id, text)
     available = {d: sum(map(len, docs.values())) for d, docs in per_domain.items()}
-    shares = _water_fill(available, budget)
+    shares = water_fill(available, budget)
     chosen = []
     for domain, docs in per_domain.items():
         left = shares[domain]

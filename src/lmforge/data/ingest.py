@@ -114,7 +114,7 @@ def ingest_file(task: FileTask) -> FileResult:
     return FileResult(task.out, docs, rejects)
 
 
-def _drop_duplicate_ids(table: pa.Table, seen: set[str]) -> tuple[pa.Table, pa.Table]:
+def drop_duplicate_ids(table: pa.Table, seen: set[str]) -> tuple[pa.Table, pa.Table]:
     """Split ``table`` into rows with a new id and rows whose id was already seen."""
     keep = []
     for rid in table.column("id").to_pylist():
@@ -155,7 +155,7 @@ def run_ingest(cfg: IngestConfig, out_dir: str | Path,
                 counts[row[2]].rejected[row[3]] += 1
             rejects.extend(result.rejects)
             for batch in iter_batches(result.out):
-                table, dups = _drop_duplicate_ids(pa.Table.from_batches([batch]), seen)
+                table, dups = drop_duplicate_ids(pa.Table.from_batches([batch]), seen)
                 for d in dups.to_pylist():
                     rejects.append((d["file"], d["line"], d["domain"], readers.DUPLICATE_ID,
                                     f"id '{d['id']}' already seen"))

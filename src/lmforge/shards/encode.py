@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 
 from lmforge.errors import InputError
 from lmforge.tokenizer import Tokenizer
-from lmforge.tokenizer.corpus import _check_strings, _open
+from lmforge.tokenizer.corpus import check_strings, open_columns
 
 # ~0.2 s of encoding on one core: enough to hide a task's start-up (opening the part,
 # reading up to its rows), small enough that a few tasks per worker keep every core busy
@@ -71,7 +71,7 @@ class EncodedChunk:
 
 def text_bytes_per_group(path: str | Path) -> list[tuple[int, int]]:
     """(rows, uncompressed bytes of the text column) per row group, from the metadata."""
-    pf = _open(Path(path), ["text", "domain"])
+    pf = open_columns(Path(path), ["text", "domain"])
     md = pf.metadata
     col = pf.schema_arrow.names.index("text")
     return [(md.row_group(g).num_rows, md.row_group(g).column(col).total_uncompressed_size)
@@ -165,7 +165,7 @@ class _PartReader:
     def __init__(self, path: Path, key: tuple) -> None:
         self.path = path
         self.key = key
-        self.pf = _open(path, COLUMNS)
+        self.pf = open_columns(path, COLUMNS)
         self.num_rows = self.pf.metadata.num_rows
         self._batches = self.pf.iter_batches(batch_size=READ_ROWS, columns=COLUMNS,
                                              use_threads=False)
@@ -220,7 +220,7 @@ def read_rows(path: str | Path, lo: int, hi: int) -> tuple[pa.Array, pa.Array]:
     cols = []
     for name in COLUMNS:
         col = table.column(name).combine_chunks()
-        _check_strings(path, lo, name, col)
+        check_strings(path, lo, name, col)
         cols.append(col)
     return cols[0], cols[1]
 

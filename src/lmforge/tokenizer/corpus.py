@@ -28,7 +28,9 @@ class TextBatch:
     text_bytes: pa.Array  # UTF-8 byte length per document (int64)
 
 
-def _open(path: Path, columns: list[str]) -> pq.ParquetFile:
+def open_columns(path: Path, columns: list[str]) -> pq.ParquetFile:
+    """A parquet part, checked to have ``columns``; an unreadable file or a missing
+    column is one InputError naming the file."""
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as e:
@@ -40,7 +42,9 @@ def _open(path: Path, columns: list[str]) -> pq.ParquetFile:
     return pf
 
 
-def _check_strings(path: Path, first_row: int, name: str, col: pa.Array) -> None:
+def check_strings(path: Path, first_row: int, name: str, col: pa.Array) -> None:
+    """Column ``name`` of a batch starting at row ``first_row`` holds strings, none null;
+    else one InputError naming the file and row."""
     if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
         raise InputError(f"{path}: column '{name}' is {col.type}, expected string")
     if col.null_count:
@@ -51,12 +55,12 @@ def _check_strings(path: Path, first_row: int, name: str, col: pa.Array) -> None
 def iter_text_batches(path: str | Path, batch_rows: int = 1024) -> Iterator[TextBatch]:
     """Rows of one part as :class:`TextBatch` es; a null or non-string cell is an InputError."""
     path = Path(path)
-    pf = _open(path, ["id", "text", "domain"])
+    pf = open_columns(path, ["id", "text", "domain"])
     row = 0
     try:
         for rb in pf.iter_batches(batch_size=batch_rows, columns=["id", "text", "domain"]):
             for name in ("id", "text", "domain"):
-                _check_strings(path, row, name, rb.column(name))
+                check_strings(path, row, name, rb.column(name))
             text = rb.column("text")
             yield TextBatch(path, row, rb.column("id").to_pylist(), text.to_pylist(),
                             rb.column("domain").to_pylist(), pc.binary_length(text))
@@ -69,11 +73,11 @@ def read_domains(parts: list[Path]) -> list[str]:
     """The sorted distinct domains of ``parts`` (reads only the domain column)."""
     found: set[str] = set()
     for path in parts:
-        pf = _open(path, ["domain"])
+        pf = open_columns(path, ["domain"])
         try:
             col = pf.read(columns=["domain"]).column("domain").combine_chunks()
         except (pa.ArrowInvalid, OSError) as e:
             raise InputError(f"{path}: unreadable ({str(e).splitlines()[0]})") from None
-        _check_strings(path, 0, "domain", col)
+        check_strings(path, 0, "domain", col)
         found.update(pc.unique(col).to_pylist())
     return sorted(found)

@@ -107,7 +107,7 @@ def balanced_sample(parts: Iterable[Path], sample_chars: int, seed: int) -> Samp
                                          sample_chars)
                     for r in reservoirs.values():
                         r.lower_cap(level)
-    shares = _water_fill({d: r.chars for d, r in reservoirs.items()}, sample_chars)
+    shares = water_fill({d: r.chars for d, r in reservoirs.items()}, sample_chars)
     chosen: list[tuple[int, str]] = []
     taken: dict[str, int] = {}
     for domain in sorted(reservoirs):
@@ -131,13 +131,13 @@ def balanced_sample(parts: Iterable[Path], sample_chars: int, seed: int) -> Samp
 
 def _water_level(available: dict[str, int], total: int) -> int:
     """The largest share any domain gets of ``total`` (``total`` if all of it fits)."""
-    shares = _water_fill(available, total)
+    shares = water_fill(available, total)
     if sum(shares.values()) < total:  # everything fits: no level caps anything yet
         return total
     return max(shares.values(), default=total)
 
 
-def _water_fill(available: dict[str, int], total: int) -> dict[str, int]:
+def water_fill(available: dict[str, int], total: int) -> dict[str, int]:
     """Equal shares of ``total``; domains with less than their share take all they have."""
     shares: dict[str, int] = {}
     left = dict(available)
