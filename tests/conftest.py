@@ -18,3 +18,12 @@ def ray_cluster():
                  configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(tmp_path_factory):
+    """The tiny sentencepiece model with the chat markers reserved (chat_tokenizer.train),
+    trained once for the session; tests read it and never write it."""
+    from chat_tokenizer import train
+
+    return train(tmp_path_factory.mktemp("chat_tokenizer") / "tokenizer.model")
