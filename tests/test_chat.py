@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_finetune_template import train
+from chat_tokenizer import train
 
 from lmforge import chat as chat_mod
 from lmforge.chat import ChatSession, one_shot, repl, stream_reply
@@ -51,8 +51,8 @@ def make_model_dir(path: Path, sp: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def sp_path(tmp_path_factory) -> Path:
-    return train(tmp_path_factory.mktemp("sp") / "tokenizer.model")
+def sp_path(chat_tokenizer) -> Path:
+    return chat_tokenizer
 
 
 @pytest.fixture(scope="module")

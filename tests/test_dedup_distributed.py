@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from datasketch import LeanMinHash, MinHashLSH
+from files import tree
 from test_data_dedup import write_parts
 
 from lmforge.config import DedupConfig, ExecutorConfig
@@ -101,11 +102,6 @@ def near_dup_corpus(seed: int = 3) -> list[tuple[str, str, str]]:
         docs.append((f"copy-{k}", "  " + text.upper().replace(" ", "\n", 3) + " ", domain))
     rng.shuffle(docs)
     return docs
-
-
-def tree(directory: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(directory)): p.read_bytes()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def clusters_of(out: Path) -> dict[str, str]:

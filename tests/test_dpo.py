@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_finetune_template import train as train_tokenizer
 
 from lmforge.config import DpoConfig, DpoDataConfig, ModelConfig, Params
 from lmforge.errors import ConfigError
@@ -50,8 +49,8 @@ def reply(text: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> Path:
-    return train_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.model")
+def tokenizer(chat_tokenizer) -> Path:
+    return chat_tokenizer
 
 
 def good_pairs(n: int) -> list[dict]:

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_finetune_template import train
 
 from lmforge.config import ModelConfig
 from lmforge.errors import InputError
@@ -38,8 +37,8 @@ DEMO = Path(__file__).resolve().parents[1] / "data" / "instructions" / "demo"
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> Tokenizer:
-    return Tokenizer.load(train(tmp_path_factory.mktemp("sp") / "tokenizer.model"))
+def tok(chat_tokenizer) -> Tokenizer:
+    return Tokenizer.load(chat_tokenizer)
 
 
 @pytest.fixture(scope="module")

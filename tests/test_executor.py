@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from files import tree
 from test_data_pipeline import make_raw, params
 
 from lmforge.data.filtering import run_filter
@@ -52,11 +53,6 @@ class Interrupted(LocalExecutor):
             if fn.__name__ == self.fn_name and k == self.after:
                 raise KeyboardInterrupt
             yield result
-
-
-def tree(root: Path) -> dict[str, bytes]:
-    return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*"))
-            if f.is_file()}
 
 
 def test_map_keeps_order_on_any_worker_count():

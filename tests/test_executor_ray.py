@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from files import tree
 
 from lmforge.config import ExecutorConfig, Params, SourceConfig, load_params
 from lmforge.errors import InputError
@@ -73,12 +74,6 @@ def run_stages(root: Path, monkeypatch, names: tuple[str, ...]) -> None:
     p = slice_params()
     for name in names:
         importlib.import_module(f"stages.{name}").main(p)
-
-
-def tree(root: Path) -> dict[str, bytes]:
-    """Every file under ``root``, by relative path."""
-    return {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*"))
-            if f.is_file()}
 
 
 def without_timing(obj):

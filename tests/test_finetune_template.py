@@ -4,11 +4,11 @@ behaviour, and Hugging Face's apply_chat_template giving exactly our ids."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
+from chat_tokenizer import corpus, train
 
 from lmforge.config import ModelConfig, TokenizerConfig
 from lmforge.errors import ConfigError, InputError
@@ -28,10 +28,6 @@ from lmforge.finetune.template import (
 from lmforge.tokenizer import Tokenizer
 from lmforge.tokenizer.train import train_model
 
-CJK = "的一是不了人我在有他这中大来上国个到说们为子和你地出道也时年得就那要下以生会自着去之过家学"
-WORDS = ["the", "model", "reads", "every", "token", "of", "corpus", "and", "learns", "which",
-         "user", "end", "system", "assistant"]
-
 CONVERSATIONS = {
     "english": [("user", "Which token ends a turn?"), ("assistant", "The end marker, every time.")],
     "chinese-system": [("system", "你是一个有帮助的助手。"), ("user", "我在中国学到了很多。"),
@@ -42,29 +38,9 @@ CONVERSATIONS = {
 }
 
 
-def corpus(seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    docs = []
-    for i in range(300):
-        if i % 3 == 0:
-            docs.append(" ".join(rng.choices(WORDS, k=40)) + ".\n")
-        elif i % 3 == 1:
-            docs.append("".join(rng.choices(CJK, k=60)) + "。\n")
-        else:
-            docs.append(f"def {rng.choice(WORDS)}(x):\n    if x > {rng.randint(0, 99)}:\n"
-                        "        return x * 2\n\treturn None <|end|>\n")  # a marker in text
-    return docs
-
-
-def train(path: Path, reserved=CHAT_MARKERS, **kw) -> Path:
-    cfg = TokenizerConfig(vocab_size=500, character_coverage=1.0, num_threads=1, **kw)
-    path.write_bytes(train_model(corpus(), cfg, reserved_tokens=reserved)[0])
-    return path
-
-
 @pytest.fixture(scope="module")
-def sp_path(tmp_path_factory) -> Path:
-    return train(tmp_path_factory.mktemp("sp") / "tokenizer.model")
+def sp_path(chat_tokenizer) -> Path:
+    return chat_tokenizer
 
 
 @pytest.fixture(scope="module")

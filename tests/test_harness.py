@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_finetune_template import train
 
 from lmforge.cli import main
 from lmforge.config import ModelConfig
@@ -37,9 +36,9 @@ CHAT_TASKS = {"demo_instruct_mc", "demo_pref_pairs"}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
+def model_dir(chat_tokenizer, tmp_path_factory) -> Path:
     """A tiny random model whose tokenizer carries the chat markers."""
-    sp = train(tmp_path_factory.mktemp("sp") / "tokenizer.model")
+    sp = chat_tokenizer
     tok = Tokenizer.load(sp)
     cfg = ModelConfig(n_layer=2, n_head=2, n_embd=32, seq_len=256, ffn_multiple_of=16,
                       tie_embeddings=False)

@@ -7,7 +7,6 @@ what depends on the changed key.
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import os
@@ -20,114 +19,33 @@ from pathlib import Path
 
 import pytest
 import yaml
+from demo_repo import DEMO, DOCS_PER_DOMAIN, REPO, VOCAB, copy_repo, run, stage_env
 
 from lmforge.config import load_params
 from lmforge.experiments import committed_json
 from lmforge.mixture import sweep
 
-REPO = Path(__file__).resolve().parents[1]
-DEMO = REPO / "data" / "raw" / "demo"
-INSTRUCTIONS = REPO / "data" / "instructions" / "demo"
-PREFERENCES = REPO / "data" / "preferences" / "demo"
-DOCS_PER_DOMAIN = 40
-VOCAB = 2000
-
 pytestmark = pytest.mark.slow
-
-
-def tiny_params() -> dict:
-    """The repo's params.yaml, shrunk so the whole pipeline runs in about a minute."""
-    params = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
-    params["ingest"]["part_docs"] = 50
-    params["mix"]["part_docs"] = 50
-    params["tokenizer"].update(vocab_size=VOCAB, sample_chars=400_000, character_coverage=0.98)
-    params["model"].update(n_layer=2, n_head=2, n_embd=64, seq_len=64)
-    params["train"].update(max_steps=24, micro_batch_size=4, warmup=4, ckpt_every=8,
-                           eval_every=12, eval_batches=2, log_every=4, compile=False)
-    params["evaluate"].update(max_batches=0, batch_size=8, train_batches=2,
-                              max_new_tokens=8, prompts=["It is a truth", "床前明月光"])
-    params["sft_data"].update(seq_len=128, val_fraction=0.1)
-    params["sft"].update(max_steps=6, micro_batch_size=4, warmup=2, eval_every=3,
-                         eval_batches=2, log_every=2, ckpt_every=3, compile=False, replay=0.25)
-    params["dpo_data"].update(seq_len=128, val_fraction=0.1)
-    params["dpo"].update(max_steps=4, micro_batch_size=4, warmup=1, eval_every=2,
-                         eval_batches=1, log_every=2, ckpt_every=2, compile=False)
-    params["evaluate_post"].update(batch_size=8, max_new_tokens=8, prompts=["Hi"])
-    params["harness"].update(limit=6, batch_size=8)
-    return params
-
-
-def run(cmd: list[str], cwd: Path, env: dict[str, str]) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{out[-4000:]}"
-    return out
-
-
-def slice_records(source: Path, dest: Path, counts: dict[str, int]) -> None:
-    """The first records of each of ``source``'s ``<name>.jsonl.gz`` files."""
-    for name, n in counts.items():
-        with gzip.open(source / f"{name}.jsonl.gz", "rt", encoding="utf-8") as f:
-            lines = [line for _, line in zip(range(n), f, strict=False)]
-        dest.mkdir(parents=True, exist_ok=True)
-        with gzip.open(dest / f"{name}.jsonl.gz", "wt", encoding="utf-8") as f:
-            f.writelines(lines)
-
-
-def slice_demo(dest: Path) -> None:
-    """The first few documents of each domain's first part, as the repo ships them."""
-    for domain_dir in sorted(p for p in DEMO.iterdir() if p.is_dir()):
-        first = sorted(domain_dir.glob("*.jsonl.gz"))[0]
-        with gzip.open(first, "rt", encoding="utf-8") as f:
-            lines = [line for _, line in zip(range(DOCS_PER_DOMAIN), f, strict=False)]
-        out = dest / domain_dir.name / first.name
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with gzip.open(out, "wt", encoding="utf-8") as f:
-            f.writelines(lines)
 
 
 @pytest.fixture(scope="module")
 def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{e.get('PATH', '')}"
-    e.pop("MLFLOW_TRACKING_URI", None)
-    e.update(GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
-             GIT_COMMITTER_EMAIL="t@t", DVC_NO_ANALYTICS="1")
-    return e
+    return stage_env()
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, env) -> tuple[Path, str]:
-    """A temp git+DVC repo holding the pipeline, tiny params and a demo slice; reproduced."""
-    if not DEMO.is_dir():
-        pytest.fail("the demo corpus data/raw/demo is missing from the repository")
-    root = tmp_path_factory.mktemp("repo")
-    for name in ("dvc.yaml", ".dvcignore", ".gitignore"):
-        shutil.copy(REPO / name, root / name)
-    shutil.copytree(REPO / "stages", root / "stages",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(REPO / "src", root / "src",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    slice_demo(root / "data" / "raw" / "demo")
-    shutil.copytree(REPO / "data" / "tasks", root / "data" / "tasks")  # lm-eval's task files
-    slice_records(INSTRUCTIONS, root / "data" / "instructions" / "demo",
-                  {"train": 300, "test": 60, "test_mc": 20})
-    slice_records(PREFERENCES, root / "data" / "preferences" / "demo",
-                  {"train": 300, "test": 40})
-    (root / "params.yaml").write_text(yaml.safe_dump(tiny_params(), sort_keys=False),
-                                      encoding="utf-8")
-    run(["git", "init", "-q"], root, env)
-    # `dvc exp run` commits through its own git library: give the repo an identity.
-    run(["git", "config", "user.name", "lmforge test"], root, env)
-    run(["git", "config", "user.email", "test@lmforge.invalid"], root, env)
-    run(["dvc", "init", "-q"], root, env)
-    run(["dvc", "config", "core.analytics", "false"], root, env)
-    run(["git", "add", "-A"], root, env)
-    run(["git", "commit", "-qm", "init"], root, env)
+def pipeline(demo_data_repo, tmp_path_factory, env) -> tuple[Path, str]:
+    """A temp git+DVC repo holding the pipeline, tiny params and a demo slice; reproduced.
+
+    The data stages ran in the session's template repo (conftest), copied here with
+    their lock and cache; DVC's output is the template's and this repo's together.
+    """
+    template, data_out = demo_data_repo
+    root = copy_repo(template, tmp_path_factory.mktemp("repo"))
     out = run(["dvc", "repro"], root, env)
     run(["git", "add", "-A"], root, env)
     run(["git", "commit", "-qm", "repro"], root, env)
-    return root, out
+    return root, data_out + out
 
 
 def load(path: Path) -> dict:

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from test_finetune_template import train as train_tokenizer
+from chat_tokenizer import train as train_tokenizer
 
 from lmforge.config import SftDataConfig
 from lmforge.errors import InputError
@@ -22,8 +22,8 @@ def lines(*objs) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return train_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.model")
+def tokenizer(chat_tokenizer):
+    return chat_tokenizer
 
 
 def test_every_record_is_kept_or_rejected_and_only_answers_are_targets(tokenizer, tmp_path):

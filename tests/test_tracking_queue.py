@@ -9,26 +9,14 @@ main repo's mlflow.db (DVC_ROOT), named after their experiments.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sqlite3
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from test_pipeline_e2e import (
-    DEMO,
-    INSTRUCTIONS,
-    PREFERENCES,
-    REPO,
-    run,
-    slice_demo,
-    slice_records,
-    tiny_params,
-)
+from demo_repo import REPO, copy_repo, run, stage_env, tiny_params
 
 pytestmark = pytest.mark.slow
 
@@ -48,46 +36,29 @@ def queue_params() -> dict:
 
 @pytest.fixture(scope="module")
 def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{e.get('PATH', '')}"
-    for name in ("MLFLOW_TRACKING_URI", "DVC_ROOT", "DVC_EXP_NAME"):
-        e.pop(name, None)
-    e.update(GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
-             GIT_COMMITTER_EMAIL="t@t", DVC_NO_ANALYTICS="1")
-    return e
+    return stage_env()
 
 
 PRETRAINING = ("ingest", "filter", "dedup", "decontam", "mix", "tokenizer", "shards", "train",
                "evaluate")
 
 
-def make_repo(root: Path, env: dict[str, str]) -> None:
-    """The pipeline, tiny params and a demo slice in a new git+DVC repo, reproduced."""
-    for name in (".dvcignore", ".gitignore"):
-        shutil.copy(REPO / name, root / name)
+def make_repo(template: Path, root: Path, env: dict[str, str]) -> None:
+    """The pretraining pipeline with the queue's params, in a copy of the session's demo
+    repo (its data stages already reproduced), reproduced."""
+    copy_repo(template, root)
     # The pretraining stages: what is tracked here is a queued training run.
     pipeline = yaml.safe_load((REPO / "dvc.yaml").read_text(encoding="utf-8"))
     pipeline["stages"] = {name: stage for name, stage in pipeline["stages"].items()
                           if name in PRETRAINING}
     (root / "dvc.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False), encoding="utf-8")
-    for name in ("stages", "src"):
-        shutil.copytree(REPO / name, root / name,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    slice_demo(root / "data" / "raw" / "demo")
-    # The evaluation sets decontam checks the training text against.
-    shutil.copytree(REPO / "data" / "tasks", root / "data" / "tasks")
-    slice_records(INSTRUCTIONS, root / "data" / "instructions" / "demo", {"test": 60, "test_mc": 20})
-    slice_records(PREFERENCES, root / "data" / "preferences" / "demo", {"test": 40})
     (root / "params.yaml").write_text(yaml.safe_dump(queue_params(), sort_keys=False),
                                       encoding="utf-8")
-    run(["git", "init", "-q"], root, env)
-    run(["git", "config", "user.name", "lmforge test"], root, env)
-    run(["git", "config", "user.email", "test@lmforge.invalid"], root, env)
-    run(["dvc", "init", "-q"], root, env)
-    run(["dvc", "config", "core.analytics", "false"], root, env)
     run(["git", "add", "-A"], root, env)
-    run(["git", "commit", "-qm", "init"], root, env)
-    run(["dvc", "repro"], root, env)
+    run(["git", "commit", "-qm", "queue params"], root, env)
+    out = run(["dvc", "repro"], root, env)
+    # The data stages' params are the template's: only training and evaluation ran.
+    assert "Running stage 'ingest'" not in out and "Running stage 'train'" in out, out
     run(["git", "add", "-A"], root, env)
     run(["git", "commit", "-qm", "repro"], root, env)
 
@@ -110,12 +81,10 @@ def wait_for_queue(root: Path, env: dict[str, str], names: list[str]) -> dict[st
 
 
 @pytest.fixture(scope="module")
-def queued(tmp_path_factory, env) -> Path:
+def queued(demo_data_repo, tmp_path_factory, env) -> Path:
     """The repo after two queued training experiments and one evaluation-only one."""
-    if not DEMO.is_dir():
-        pytest.fail("the demo corpus data/raw/demo is missing from the repository")
     root = tmp_path_factory.mktemp("queue")
-    make_repo(root, env)
+    make_repo(demo_data_repo[0], root, env)
     run(["dvc", "exp", "run", "--queue", "-S", "train.max_lr=1e-3", "-n", "a"], root, env)
     run(["dvc", "exp", "run", "--queue", "-S", "train.max_lr=5e-3", "-n", "b"], root, env)
     run(["dvc", "exp", "run", "--queue", "-S", "evaluate.max_new_tokens=6", "-n", "c"],

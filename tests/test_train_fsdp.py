@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from stores import seed_store
 from test_train_loop import stage_repo, start_ranks
 from test_train_loop import wait_ranks as wait
 
@@ -393,7 +394,7 @@ def test_an_fsdp_run_stopped_by_an_error_keeps_its_last_checkpoint(tmp_path, wor
     root = fsdp_repo(tmp_path / "run", "fsdp", ckpt_every=2, max_steps=6, eval_every=0,
                      max_bad_steps=2, nproc=world)
     (root / "faulty.py").write_text(_FAULTY, encoding="utf-8")
-    mlflow_db = tmp_path / "mlflow.db"
+    mlflow_db = seed_store(tmp_path / "mlflow.db")
     if world == 1:
         env = dict(os.environ, PYTHONPATH=str(REPO), DVC_ROOT=str(root), FAULT=fault,
                    MLFLOW_TRACKING_URI=f"sqlite:///{mlflow_db}")

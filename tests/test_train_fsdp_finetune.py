@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from chat_tokenizer import train as train_tokenizer
 from safetensors.torch import load_file
 from test_dpo import SEQ, good_pairs, lines
-from test_finetune_template import train as train_tokenizer
 from test_train_loop import start_ranks, wait_ranks
 
 from lmforge.config import DpoDataConfig, ModelConfig

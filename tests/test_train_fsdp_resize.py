@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from stores import seed_store
 from test_train_fsdp import REPO, final_weights, fsdp_repo, kill_after_checkpoint, losses
 from test_train_loop import start_ranks, wait_ranks
 
@@ -30,6 +31,7 @@ CPU = torch.device("cpu")
 
 def one_process(root: Path, mlflow_db: Path) -> subprocess.Popen:
     """``python -m stages.train`` in one process (no torchrun variables)."""
+    seed_store(mlflow_db)
     env = dict(os.environ, PYTHONPATH=str(REPO), DVC_ROOT=str(root),
                MLFLOW_TRACKING_URI=f"sqlite:///{mlflow_db}")
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):

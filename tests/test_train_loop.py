@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from stores import seed_store
 
 from lmforge.config import ModelConfig, Params, TrainConfig
 from lmforge.errors import ConfigError, InputError, LmforgeError
@@ -362,6 +363,7 @@ def stage_repo(root: Path) -> Path:
 
 def start_stage(root: Path) -> subprocess.Popen:
     # One MLflow store for all runs of the test: its schema is created once.
+    seed_store(root.parent / "mlflow.db")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)]),
                DVC_ROOT=str(root), MLFLOW_TRACKING_URI=f"sqlite:///{root.parent / 'mlflow.db'}")
     return subprocess.Popen([sys.executable, "runner.py"], cwd=root, env=env,
@@ -452,6 +454,7 @@ def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path):
 def start_ranks(root: Path, argv: list[str], mlflow_db: Path) -> list[subprocess.Popen]:
     """Start ``python argv`` as two gloo ranks, as torchrun would (its launcher would
     only add start-up time)."""
+    seed_store(mlflow_db)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
