@@ -15,17 +15,19 @@ CJK = "的一是不了人我在有他这中大来上国个到说们为子和你�
 WORDS = ["the", "model", "reads", "every", "token", "of", "corpus", "and", "learns", "which",
          "user", "end", "system", "assistant"]
 
-def corpus(seed: int = 0) -> list[str]:
+def corpus(seed: int = 0, words: list[str] = WORDS, code_tail: str = " <|end|>") -> list[str]:
+    """300 documents: English words, CJK characters and Python-like code, a third each;
+    ``code_tail`` ends each code line (by default a chat marker inside plain text)."""
     rng = random.Random(seed)
     docs = []
     for i in range(300):
         if i % 3 == 0:
-            docs.append(" ".join(rng.choices(WORDS, k=40)) + ".\n")
+            docs.append(" ".join(rng.choices(words, k=40)) + ".\n")
         elif i % 3 == 1:
             docs.append("".join(rng.choices(CJK, k=60)) + "。\n")
         else:
-            docs.append(f"def {rng.choice(WORDS)}(x):\n    if x > {rng.randint(0, 99)}:\n"
-                        "        return x * 2\n\treturn None <|end|>\n")  # a marker in text
+            docs.append(f"def {rng.choice(words)}(x):\n    if x > {rng.randint(0, 99)}:\n"
+                        f"        return x * 2\n\treturn None{code_tail}\n")
     return docs
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import shutil
 from pathlib import Path
 
+import chat_tokenizer
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -24,7 +24,6 @@ from lmforge.tokenizer.train import train_model
 
 transformers = pytest.importorskip("transformers")
 
-CJK = "的一是不了人我在有他这中大来上国个到说们为子和你地出道也时年得就那要下以生会自着去之过家学"
 WORDS = ["the", "model", "reads", "every", "token", "of", "corpus", "and", "learns", "which"]
 SAMPLES = [
     "The model reads every token.",
@@ -38,17 +37,8 @@ SAMPLES = [
 
 
 def corpus(seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    docs = []
-    for i in range(300):
-        if i % 3 == 0:
-            docs.append(" ".join(rng.choices(WORDS, k=40)) + ".\n")
-        elif i % 3 == 1:
-            docs.append("".join(rng.choices(CJK, k=60)) + "。\n")
-        else:
-            docs.append(f"def {rng.choice(WORDS)}(x):\n    if x > {rng.randint(0, 99)}:\n"
-                        "        return x * 2\n\treturn None\n")
-    return docs
+    """The shared test corpus over this file's words, without chat markers."""
+    return chat_tokenizer.corpus(seed, WORDS, code_tail="")
 
 
 def write_sp(path: Path, **kw) -> Path:
