@@ -7,7 +7,14 @@ import torch
 
 from lmforge.config import ModelConfig
 from lmforge.model.llama import Llama
-from lmforge.model.loss import cross_entropy, linear_cross_entropy
+from lmforge.model.loss import (
+    CHUNK_ELEMENTS,
+    MIN_CHUNK_TOKENS,
+    balanced_chunk,
+    cross_entropy,
+    default_chunk_tokens,
+    linear_cross_entropy,
+)
 
 VOCAB = 97
 
@@ -124,3 +131,18 @@ def test_model_fused_loss_matches_unfused_forward():
                     model.lm_head.weight.grad.clone()))
     for a, b in zip(*out, strict=True):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(("tokens", "most", "want"),
+                         [(1024, 682, 512), (1024, 1365, 1024), (2048, 523, 512),
+                          (4096, 441, 410), (1000, 1000, 1000), (7, 3, 3), (0, 5, 1)])
+def test_balanced_chunk_splits_evenly_into_fewest_chunks(tokens, most, want):
+    got = balanced_chunk(tokens, most)
+    assert got == want and got <= max(most, 1)
+    assert -(-tokens // got) == -(-tokens // most)  # no more chunks than the cap needs
+
+
+def test_default_chunk_holds_at_least_min_tokens_and_the_budget():
+    assert default_chunk_tokens(8192) == CHUNK_ELEMENTS // 8192  # 8192 tokens
+    assert default_chunk_tokens(49152) == CHUNK_ELEMENTS // 49152  # 1365
+    assert default_chunk_tokens(1 << 20) == MIN_CHUNK_TOKENS  # a huge vocabulary

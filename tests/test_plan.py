@@ -117,7 +117,7 @@ def test_1b_figures_on_80gb_world_8_by_hand():
 
     fused = d * (H + 2 * KV) * hd + 2 * d * F  # 39,845,888
     cached = d * d + d * F  # 20,971,520
-    chunk = 2**26 // V  # 523 tokens
+    chunk = 512  # 8 x 2048 tokens in chunks of at most 2**26 // V = 523: 32 of 512
     ddp_fixed = (4 + 4 + 8 + 4) * P + 2 * L * (fused + cached) + 12 * V * d + chunk * V * 6
     # GQA: roped q|k ((H+KV) hd) and k, v repeated to H heads (2 H hd), not the qkv output.
     kv = (H + KV) * hd + 2 * H * hd

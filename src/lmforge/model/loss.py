@@ -18,9 +18,29 @@ import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 
-# Elements of one chunk of logits: ~4 MB of fp32 stays in a CPU core's L2; on a GPU
-# larger chunks keep the kernel count low (it is memory, not bandwidth, that they save).
-CHUNK_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 26}
+# Most logits in one chunk (256 MB of fp32): it is memory that chunks save, and only
+# past the ~V x d head itself. Each chunk reads the whole head again, and a thin matmul
+# is slow: on a 2-core CPU, forward + backward of 1024 tokens over SmolLM2's 49k
+# vocabulary took 1.98 s in 21-token chunks (an L2-sized 2^20 budget), 0.83 s in
+# 341-token ones (2^24), 0.78 s in 1365 (2^26), 0.96 s for the plain logits; Llama 3's
+# 128k: 9.8 s at 2^20, 1.7 s at 2^26, 2.2 s plain (bench/bench_loss.py). On a GPU the
+# same budget keeps the kernel count low.
+CHUNK_ELEMENTS = 1 << 26
+# Fewest tokens in a chunk whatever the vocabulary: below this the head's read dominates.
+MIN_CHUNK_TOKENS = 256
+
+
+def default_chunk_tokens(vocab: int) -> int:
+    """Most tokens in one chunk of the fused loss over a ``vocab``-sized head."""
+    return max(MIN_CHUNK_TOKENS, CHUNK_ELEMENTS // vocab)
+
+
+def balanced_chunk(tokens: int, most: int) -> int:
+    """The chunk that splits ``tokens`` into as few chunks of at most ``most`` as it can,
+    all of one size (but the last): 1024 tokens at most 682 go as 512 + 512, not
+    682 + 342, since the thin last matmul costs nearly as much as a full one."""
+    count = -(-tokens // max(1, most))
+    return -(-tokens // count) if tokens else 1
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0,
@@ -141,13 +161,12 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
     ``x`` (..., C) hidden states, ``weight`` (V, C), ``targets`` (...) with -100 ignored.
     Equal to :func:`cross_entropy` of the full logits up to float rounding, gradients
-    included. ``chunk_tokens`` defaults to what keeps a chunk's logits cache-sized.
+    included. ``chunk_tokens`` defaults to :func:`default_chunk_tokens`, balanced.
     """
     flat_x = x.reshape(-1, x.size(-1))
     flat_t = targets.reshape(-1)
     if chunk_tokens is None:
-        budget = CHUNK_ELEMENTS.get(x.device.type, CHUNK_ELEMENTS["cuda"])
-        chunk_tokens = max(1, budget // weight.size(0))
+        chunk_tokens = balanced_chunk(flat_x.size(0), default_chunk_tokens(weight.size(0)))
     # Under no_grad / inference_mode the Function still sees requires_grad inputs:
     # decide here, so evaluation pays for the loss only.
     grad_on = torch.is_grad_enabled()

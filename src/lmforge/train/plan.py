@@ -55,7 +55,7 @@ from typing import Any
 from lmforge.config import ModelConfig, Params, load_params
 from lmforge.errors import ConfigError
 from lmforge.model.llama import ffn_hidden_size
-from lmforge.model.loss import CHUNK_ELEMENTS
+from lmforge.model.loss import balanced_chunk, default_chunk_tokens
 
 GIB = 1 << 30
 STRATEGIES = ("ddp", "fsdp")
@@ -275,19 +275,19 @@ def weight_copy_bytes(s: Setup, strategy: str) -> int:
     return copies + (0 if s.fused_loss else 2 * s.vocab * cfg.n_embd)
 
 
-def loss_chunk_tokens(s: Setup, micro_batch: int, device: str = "cuda") -> int:
-    """Tokens in one chunk of the fused loss: min(b*s, CHUNK_ELEMENTS[device] // V)."""
-    return min(micro_batch * s.model.seq_len, max(1, CHUNK_ELEMENTS[device] // s.vocab))
+def loss_chunk_tokens(s: Setup, micro_batch: int) -> int:
+    """Tokens in one chunk of the fused loss (loss.py's, balanced over b*s tokens)."""
+    return balanced_chunk(micro_batch * s.model.seq_len, default_chunk_tokens(s.vocab))
 
 
-def loss_buffer_bytes(s: Setup, strategy: str, micro_batch: int, device: str = "cuda") -> int:
+def loss_buffer_bytes(s: Setup, strategy: str, micro_batch: int) -> int:
     """The fused loss's buffers (0 without it: its logits are per sequence then).
 
     4 * V*d: the head's fp32 gradient, made in the forward and kept for backward;
     in bf16, 6 * V*d: each chunk's bf16 weight-gradient product and its fp32 copy; under
     autocast, 2 * V*d: the fp32 head cast to 16 bits; one chunk of fp32 logits
-    (+ its 16-bit copy): (4 [+ 2]) * V * min(b*s, 2^26 // V), the CUDA chunk of loss.py
-    (2^20 // V on the CPU).
+    (+ its 16-bit copy): (4 [+ 2]) * V * chunk, loss.py's chunk (about
+    min(b*s, max(256, 2^26 // V)) tokens).
     """
     if not s.fused_loss:
         return 0
@@ -295,7 +295,7 @@ def loss_buffer_bytes(s: Setup, strategy: str, micro_batch: int, device: str = "
     total = 4 * vd + (6 * vd if s.precision == "bf16" else 0)
     if autocast(strategy, s.precision):
         total += 2 * vd
-    chunk = loss_chunk_tokens(s, micro_batch, device)
+    chunk = loss_chunk_tokens(s, micro_batch)
     return total + chunk * s.vocab * (4 + (2 if s.precision != "fp32" else 0))
 
 
