@@ -50,7 +50,7 @@ def one_shape(vocab: int, width: int, tokens: int, repeats: int, train_head: boo
     t = torch.randint(0, vocab, (tokens,))
     rows = [("plain", best_of(lambda: F.cross_entropy(x @ w.t(), t).backward(), repeats))]
     chunks = [(f"2^{b.bit_length() - 1}", max(1, b // vocab)) for b in BUDGETS]
-    chunks.append(("default", balanced_chunk(tokens, default_chunk_tokens(vocab))))
+    chunks.append(("default", balanced_chunk(tokens, default_chunk_tokens(vocab, "cpu"))))
     for label, chunk in chunks:
         secs = best_of(lambda c=chunk: linear_cross_entropy(x, w, t, chunk_tokens=c).backward(),
                        repeats)

@@ -326,8 +326,8 @@ def test_cli_json_takes_rank_targets_and_cpu(capsys, monkeypatch):
     assert doc["device"] == "cpu" and doc["micro_batch"] == 2
     t = tune("qwen2.5-7b", "qlora", 16, ("wq", "wk", "wv", "wo"), device="cpu")
     assert doc["no_ac"]["total"] == fp.total_bytes(t, 2)
-    # 2 x 2048 tokens in chunks of at most 2**26 // 152064 = 441: 10 of 410 (CPU as GPU).
-    assert doc["no_ac"]["loss_buffers"] == 6 * 410 * 152064
+    # 2 x 2048 tokens in CPU chunks of max(512, 2**22 // 152064 = 27) tokens: 8 of 512.
+    assert doc["no_ac"]["loss_buffers"] == 6 * 512 * 152064
 
 
 @pytest.mark.parametrize("argv", [["--world", "2"], ["--targets", "lm_head"],

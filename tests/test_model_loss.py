@@ -135,7 +135,7 @@ def test_model_fused_loss_matches_unfused_forward():
 
 @pytest.mark.parametrize(("tokens", "most", "want"),
                          [(1024, 682, 512), (1024, 1365, 1024), (2048, 523, 512),
-                          (4096, 441, 410), (1000, 1000, 1000), (7, 3, 3), (0, 5, 1)])
+                          (4096, 441, 410), (4096, 512, 512), (1000, 1000, 1000), (7, 3, 3), (0, 5, 1)])
 def test_balanced_chunk_splits_evenly_into_fewest_chunks(tokens, most, want):
     got = balanced_chunk(tokens, most)
     assert got == want and got <= max(most, 1)
@@ -143,6 +143,8 @@ def test_balanced_chunk_splits_evenly_into_fewest_chunks(tokens, most, want):
 
 
 def test_default_chunk_holds_at_least_min_tokens_and_the_budget():
-    assert default_chunk_tokens(8192) == CHUNK_ELEMENTS // 8192  # 8192 tokens
-    assert default_chunk_tokens(49152) == CHUNK_ELEMENTS // 49152  # 1365
-    assert default_chunk_tokens(1 << 20) == MIN_CHUNK_TOKENS  # a huge vocabulary
+    assert default_chunk_tokens(8192, "cuda") == CHUNK_ELEMENTS["cuda"] // 8192  # 8192
+    assert default_chunk_tokens(1024, "cpu") == CHUNK_ELEMENTS["cpu"] // 1024  # 4096
+    assert default_chunk_tokens(49152, "cpu") == MIN_CHUNK_TOKENS  # not 85 thin rows
+    assert default_chunk_tokens(1 << 20, "cuda") == MIN_CHUNK_TOKENS  # a huge vocabulary
+    assert default_chunk_tokens(8192, "mps") == default_chunk_tokens(8192, "cuda")

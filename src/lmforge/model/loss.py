@@ -18,27 +18,31 @@ import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 
-# Most logits in one chunk (256 MB of fp32): it is memory that chunks save, and only
-# past the ~V x d head itself. Each chunk reads the whole head again, and a thin matmul
-# is slow: on a 2-core CPU, forward + backward of 1024 tokens over SmolLM2's 49k
-# vocabulary took 1.98 s in 21-token chunks (an L2-sized 2^20 budget), 0.83 s in
-# 341-token ones (2^24), 0.78 s in 1365 (2^26), 0.96 s for the plain logits; Llama 3's
-# 128k: 9.8 s at 2^20, 1.7 s at 2^26, 2.2 s plain (bench/bench_loss.py). On a GPU the
-# same budget keeps the kernel count low.
-CHUNK_ELEMENTS = 1 << 26
-# Fewest tokens in a chunk whatever the vocabulary: below this the head's read dominates.
-MIN_CHUNK_TOKENS = 256
+# Most logits in one chunk, per device, and fewest tokens. It is memory that chunks
+# save; time depends on both ends. Each chunk reads the whole (V, d) head again and a
+# thin matmul is slow, so a chunk holds at least 512 tokens; past that, a CPU's
+# elementwise passes (max, exp, sum, scale) over a chunk that no cache holds cost more
+# than they save. Forward + backward on a 2-core CPU, frozen / trained head
+# (bench/bench_loss.py; bench/RESULTS.md): SmolLM2's 49k vocabulary, 1024 tokens,
+# 2.62 / 3.00 s in the 21-token chunks of the L2-sized 2^20 budget this replaced,
+# 0.84 / 1.39 s in 2 x 512 tokens, 1.23 / 1.48 s for the plain logits; the demo's 8k,
+# 4096 tokens, 0.43 / 0.44 s in 128-token chunks, 0.36 / 0.41 s in 512-token ones. On a
+# GPU large chunks keep the kernel count low.
+CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
+MIN_CHUNK_TOKENS = 512
 
 
-def default_chunk_tokens(vocab: int) -> int:
-    """Most tokens in one chunk of the fused loss over a ``vocab``-sized head."""
-    return max(MIN_CHUNK_TOKENS, CHUNK_ELEMENTS // vocab)
+def default_chunk_tokens(vocab: int, device: str) -> int:
+    """Most tokens in one chunk of the fused loss over a ``vocab``-sized head on
+    ``device`` ("cpu", "cuda", ...; any other takes CUDA's budget)."""
+    budget = CHUNK_ELEMENTS.get(device, CHUNK_ELEMENTS["cuda"])
+    return max(MIN_CHUNK_TOKENS, budget // vocab)
 
 
 def balanced_chunk(tokens: int, most: int) -> int:
     """The chunk that splits ``tokens`` into as few chunks of at most ``most`` as it can,
     all of one size (but the last): 1024 tokens at most 682 go as 512 + 512, not
-    682 + 342, since the thin last matmul costs nearly as much as a full one."""
+    682 + 342, since a thin last matmul costs nearly as much as a full one."""
     count = -(-tokens // max(1, most))
     return -(-tokens // count) if tokens else 1
 
@@ -166,7 +170,8 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     flat_x = x.reshape(-1, x.size(-1))
     flat_t = targets.reshape(-1)
     if chunk_tokens is None:
-        chunk_tokens = balanced_chunk(flat_x.size(0), default_chunk_tokens(weight.size(0)))
+        most = default_chunk_tokens(weight.size(0), x.device.type)
+        chunk_tokens = balanced_chunk(flat_x.size(0), most)
     # Under no_grad / inference_mode the Function still sees requires_grad inputs:
     # decide here, so evaluation pays for the loss only.
     grad_on = torch.is_grad_enabled()

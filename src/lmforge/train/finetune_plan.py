@@ -158,7 +158,7 @@ def lora_loss_buffer_bytes(t: Tune, micro_batch: int) -> int:
     s = t.setup
     if not s.fused_loss:
         return 0
-    chunk = pl.loss_chunk_tokens(s, micro_batch)
+    chunk = pl.loss_chunk_tokens(s, micro_batch, t.device)
     return chunk * s.vocab * (4 + (2 if s.precision != "fp32" else 0))
 
 
@@ -170,7 +170,7 @@ def rows_bytes(t: Tune, micro_batch: int) -> dict[str, int]:
         full = pl.rows_bytes(one, "ddp", micro_batch)
         return {"weights": full["params"], "grads": full["grads"],
                 "optimizer": full["optimizer"], "weight_copies": full["weight_copies"],
-                "loss_buffers": pl.loss_buffer_bytes(one, "ddp", micro_batch)}
+                "loss_buffers": pl.loss_buffer_bytes(one, "ddp", micro_batch, t.device)}
     n = adapter_params(t)
     rows = weight_rows(t)
     rows.update(adapters=4 * n, grads=4 * n, optimizer=8 * n,

@@ -275,19 +275,20 @@ def weight_copy_bytes(s: Setup, strategy: str) -> int:
     return copies + (0 if s.fused_loss else 2 * s.vocab * cfg.n_embd)
 
 
-def loss_chunk_tokens(s: Setup, micro_batch: int) -> int:
+def loss_chunk_tokens(s: Setup, micro_batch: int, device: str = "cuda") -> int:
     """Tokens in one chunk of the fused loss (loss.py's, balanced over b*s tokens)."""
-    return balanced_chunk(micro_batch * s.model.seq_len, default_chunk_tokens(s.vocab))
+    most = default_chunk_tokens(s.vocab, device)
+    return balanced_chunk(micro_batch * s.model.seq_len, most)
 
 
-def loss_buffer_bytes(s: Setup, strategy: str, micro_batch: int) -> int:
+def loss_buffer_bytes(s: Setup, strategy: str, micro_batch: int, device: str = "cuda") -> int:
     """The fused loss's buffers (0 without it: its logits are per sequence then).
 
     4 * V*d: the head's fp32 gradient, made in the forward and kept for backward;
     in bf16, 6 * V*d: each chunk's bf16 weight-gradient product and its fp32 copy; under
     autocast, 2 * V*d: the fp32 head cast to 16 bits; one chunk of fp32 logits
     (+ its 16-bit copy): (4 [+ 2]) * V * chunk, loss.py's chunk (about
-    min(b*s, max(256, 2^26 // V)) tokens).
+    min(b*s, max(512, 2^26 // V)) tokens on a GPU, max(512, 2^22 // V) on a CPU).
     """
     if not s.fused_loss:
         return 0
@@ -295,7 +296,7 @@ def loss_buffer_bytes(s: Setup, strategy: str, micro_batch: int) -> int:
     total = 4 * vd + (6 * vd if s.precision == "bf16" else 0)
     if autocast(strategy, s.precision):
         total += 2 * vd
-    chunk = loss_chunk_tokens(s, micro_batch)
+    chunk = loss_chunk_tokens(s, micro_batch, device)
     return total + chunk * s.vocab * (4 + (2 if s.precision != "fp32" else 0))
 
 
