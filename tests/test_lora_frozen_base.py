@@ -244,7 +244,7 @@ def test_a_lora_model_traces_as_one_graph(dtype):
     """Dynamo traces the adapted model, whatever its base is held in, as one graph up to
     the fused loss (kept out of graphs on purpose). A check Dynamo cannot trace in the
     frozen Linear (is_nf4 once walked the type's MRO) split it at every layer: ~5 graphs
-    a layer, and SmolLM2's compiled LoRA step 1.28x slower."""
+    a layer."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Llama(dataclasses.replace(CFG, n_kv_head=2), 300)  # GQA, as SmolLM2
