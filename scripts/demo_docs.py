@@ -4,7 +4,7 @@ Two kinds of marker, invisible once rendered:
 
 - inline: ``<!--= post.sft.token_accuracy | .3f -->0.078<!--/-->``: the expression is
   evaluated over the metrics files (``eval`` is metrics/eval.json, ``post`` is
-  metrics/post.json, ``headline.base`` metrics/headline/base.json, ...; keys as
+  metrics/post.json, ``headline.base`` the base model's headline columns, ...; keys as
   attributes, ``["key"]`` where a key is no identifier; ``abs``, ``min``, ``max``,
   ``round``, ``sqrt``, ``log``, ``sum``, ``first`` (the first key present), ``z``
   (standard errors of a difference) are at hand; ``plots.train.loss`` is a column of
@@ -31,6 +31,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from lmforge.headline import headline, headline_markdown
+
 REPO = Path(__file__).resolve().parents[1]
 PAGES = ("README.md", "docs/data.md", "docs/training.md", "docs/post-training.md",
          "docs/scale.md", "docs/tracking.md", "docs/mixture.md", "docs/results.md")
@@ -55,11 +57,11 @@ class Figures(dict):
 
 
 def metrics(root: Path = REPO) -> dict[str, Figures]:
-    """Every metrics/*.json (and metrics/headline/*.json as ``headline``) by its stem."""
+    """Every metrics/*.json by its stem, and ``headline``: every headline column by model
+    (lmforge.headline, what metrics/headline.md tabulates)."""
     found = {p.stem: Figures(json.loads(p.read_text(encoding="utf-8")))
              for p in sorted((root / "metrics").glob("*.json"))}
-    found["headline"] = Figures({p.stem: json.loads(p.read_text(encoding="utf-8"))
-                                 for p in sorted((root / "metrics/headline").glob("*.json"))})
+    found["headline"] = Figures(headline(root / "metrics"))  # every column, by model
     found["plots"] = Figures({p.stem: tsv_columns(p)
                               for p in sorted((root / "plots").glob("*.tsv"))})
     return found
@@ -118,16 +120,8 @@ def block_summary(found: dict[str, Figures], root: Path) -> str:
 
 
 def block_headline(found: dict[str, Figures], root: Path) -> str:
-    """metrics/headline/*.json as a markdown table: models as rows."""
-    rows = found["headline"]
-    cols = sorted({k for r in rows.values() for k in r})
-    lines = ["| model | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
-    for model in ("base", "sft", "dpo"):
-        r = rows.get(model, {})
-        cells = [("" if k not in r else f"{r[k]:,}" if k == "tok_s" else f"{r[k]:.3f}")
-                 for k in cols]
-        lines.append(f"| {model} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    """Every headline column as a markdown table: models as rows (metrics/headline.md)."""
+    return headline_markdown(found["headline"])
 
 
 def block_harness(found: dict[str, Figures], root: Path) -> str:

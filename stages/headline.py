@@ -1,5 +1,5 @@
-"""DVC stage ``headline``: metrics/headline/{base,sft,dpo}.json from the stages' detail
-metrics (see lmforge.headline): the only files ``dvc metrics show`` prints."""
+"""DVC stage ``headline``: metrics/headline.json and headline.md from the stages' detail
+metrics (see lmforge.headline): ``dvc metrics show`` prints the json."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ pictures are drawn from the committed plots, and the README stays a short front 
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import shutil
 from pathlib import Path
@@ -42,8 +43,11 @@ def test_a_changed_metric_changes_the_page(docs, tmp_path):
     before = docs.render(page, docs.metrics(tmp_path), tmp_path)
     train = tmp_path / "metrics" / "train.json"
     train.write_text(train.read_text().replace('"steps": 500', '"steps": 501'))
-    base = tmp_path / "metrics" / "headline" / "base.json"
-    base.write_text(re.sub(r'"loss": [0-9.]+', '"loss": 1.25', base.read_text()))
+    # The base model's headline loss is eval.json's mixture-weighted val loss.
+    ev_path = tmp_path / "metrics" / "eval.json"
+    ev = json.loads(ev_path.read_text(encoding="utf-8"))
+    ev["val"]["mix_weighted"]["loss"] = 1.25
+    ev_path.write_text(json.dumps(ev), encoding="utf-8")
     after = docs.render(page, docs.metrics(tmp_path), tmp_path)
     assert "-->501<!--/-->" in after and "-->1.250<!--/-->" in after
     assert "| base | " in after and "1.250" in after.split("gen:headline")[1]

@@ -1,5 +1,6 @@
-"""metrics/headline/*.json: the few dozen figures `dvc metrics show` prints, read from the
-stages' detail files, in a table a 200-column terminal shows without wrapping."""
+"""metrics/headline.json and headline.md: the figures `dvc metrics show` prints and the
+per-model table, read from the stages' detail files; one row a 200-column terminal shows
+without wrapping."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import yaml
 
 from lmforge.experiments import committed_json
-from lmforge.headline import MODELS, headline, write_headline
+from lmforge.headline import MODELS, SCREEN, headline, headline_markdown, screen, write_headline
 
 REPO = Path(__file__).resolve().parents[1]
 METRICS = REPO / "metrics"
@@ -54,32 +55,50 @@ def test_headline_values_come_from_the_detail_files():
         assert rows[model]["resp_loss"] == post[model]["response_loss"]
         for task, scores in harness[model].items():
             assert rows[model][task.removeprefix("demo_")] == scores["acc"]
+        accs = [scores["acc"] for scores in harness[model].values()]
+        assert rows[model]["lm_eval"] == pytest.approx(sum(accs) / len(accs))
     assert rows["dpo"]["reward_acc"] == post["dpo"]["reward_accuracy"]
     assert "reward_acc" not in rows["base"]
 
 
 def test_committed_headline_files_are_up_to_date():
-    """The committed metrics/headline/*.json are what the stage writes from the committed
-    detail files (dvc repro -s headline)."""
-    for model, row in headline(METRICS).items():
-        path = METRICS / "headline" / f"{model}.json"
-        assert json.loads(path.read_text(encoding="utf-8")) == row, path
+    """The committed metrics/headline.json and .md are what the stage writes from the
+    committed detail files (dvc repro -s headline)."""
+    rows = headline(METRICS)
+    committed = json.loads((METRICS / "headline.json").read_text(encoding="utf-8"))
+    assert committed == screen(rows)
+    assert list(committed) == list(MODELS)  # pipeline order: dvc exp show keeps it
+    assert {m: list(r) for m, r in committed.items()} == {m: list(k) for m, k in SCREEN.items()}
+    assert (METRICS / "headline.md").read_text(encoding="utf-8") == headline_markdown(rows)
+
+
+def test_screen_takes_the_dozen_and_the_table_every_column():
+    rows = {"base": {"bpb": 1.0, "loss": 2.0, "tok_s": 5}, "sft": {"tok_acc": 0.5}}
+    assert screen(rows) == {"base": {"bpb": 1.0, "tok_s": 5}, "sft": {"tok_acc": 0.5},
+                            "dpo": {}}
+    table = headline_markdown(rows).splitlines()
+    assert table[0] == "| model | bpb | loss | tok_acc | tok_s |"
+    assert table[2:] == ["| base | 1.000 | 2.000 |  | 5 |", "| sft |  |  | 0.500 |  |",
+                         "| dpo |  |  |  |  |"]
 
 
 def test_a_missing_detail_file_leaves_its_columns_out(tmp_path):
     for name in ("eval", "train"):
         shutil.copy(METRICS / f"{name}.json", tmp_path / f"{name}.json")
-    written = write_headline(tmp_path, tmp_path / "headline")
-    assert [p.name for p in written] == [f"{m}.json" for m in MODELS]
-    rows = {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in written}
-    assert set(rows["base"]) == {"loss", "loss_se", "bpb", "bpb_se", "tok_s"}
-    assert rows["sft"] == rows["dpo"] == {}
+    out_json, out_md = tmp_path / "out" / "headline.json", tmp_path / "out" / "headline.md"
+    assert write_headline(tmp_path, out_json, out_md) == [out_json, out_md]
+    rows = json.loads(out_json.read_text(encoding="utf-8"))
+    assert rows == {"base": {"bpb": pytest.approx(rows["base"]["bpb"]),
+                             "bpb_se": pytest.approx(rows["base"]["bpb_se"]),
+                             "tok_s": rows["base"]["tok_s"]}, "sft": {}, "dpo": {}}
+    assert out_md.read_text(encoding="utf-8").splitlines()[0] == (
+        "| model | bpb | bpb_se | loss | loss_se | tok_s |")
 
 
 def test_only_the_headline_files_are_metrics_and_details_stay_outputs():
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text(encoding="utf-8"))["stages"]
     metrics = [next(iter(m)) for s in stages.values() for m in s.get("metrics", [])]
-    assert metrics == [f"metrics/headline/{m}.json" for m in MODELS]
+    assert metrics == ["metrics/headline.json"]
     outs = {next(iter(o)) if isinstance(o, dict) else o: o
             for s in stages.values() for o in s.get("outs", [])}
     for name in ("ingest", "filter", "dedup", "decontam", "mix", "tokenizer", "shards",
@@ -99,9 +118,11 @@ def test_dvc_metrics_show_fits_a_200_column_terminal():
                           text=True, env={**os.environ, "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert len(lines) == 1 + len(MODELS), proc.stdout
+    assert len(lines) == 2, proc.stdout  # one file: a header and a row
     assert max(len(line) for line in lines) <= 200, proc.stdout
-    assert "bpb_se" in lines[0] and "tok_s" in lines[0]
+    # Every figure under its own short name: no column is named by file and key.
+    assert lines[0].split()[1:] == sorted(f"{m}.{k}" for m, keys in SCREEN.items()
+                                          for k in keys)
 
 
 def test_committed_json_reads_a_revisions_metrics(tmp_path):

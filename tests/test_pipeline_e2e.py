@@ -165,8 +165,18 @@ def test_exp_run_train_param_skips_data_stages(pipeline, env):
     # Three new runs: the experiment's pretraining and the fine-tuning and DPO of its model.
     assert len(after) == len(before) + 3
     assert all(after[name] == files for name, files in before.items())
-    diff = run(["dvc", "metrics", "diff", "HEAD", "--json"], root, env)
-    assert "metrics/headline/base.json" in diff
+    diff = json.loads(run(["dvc", "metrics", "diff", "HEAD", "--json"], root, env))
+    assert "base.bpb" in diff["metrics/headline.json"]
+    # The experiment beside its baseline: the changed param and the headline figures as
+    # numbers, in a 200-column terminal.
+    shown = run(["dvc", "exp", "show", "--only-changed", "--no-pager"], root,
+                {**env, "COLUMNS": "200"}).splitlines()
+    assert max(map(len, shown)) <= 200, "\n".join(shown)
+    (header,) = [line for line in shown if "Experiment" in line]
+    assert "train.max_lr" in header and "base.bpb" in header, header
+    (row,) = [line for line in shown if "└── " in line]  # the experiment's row
+    bpb = load(root / "metrics" / "headline.json")["base"]["bpb"]
+    assert f"{bpb:.5g}" in row.split(), row
 
 
 def test_dvc_plots_page_carries_every_curve(pipeline, env):

@@ -1,20 +1,27 @@
-"""The headline figures a user compares runs by, one small file per model.
+"""The headline figures a user compares runs by: one small metrics file, and a table.
 
-``dvc metrics show`` prints one row per metrics file and one column per key, so the
-stages' detail files (hundreds of per-domain, per-rule, per-task keys) made a table
-thousands of characters wide. The stages still write them, as plain DVC outputs; this
-module reads them and writes ``metrics/headline/{base,sft,dpo}.json`` with the same keys
-in each, the only files declared as ``metrics:``: the table is the models as rows and a
-few dozen figures as columns, narrow enough for a 200-column terminal. A missing detail
-file (a stage not run yet) leaves its columns out rather than failing.
+``dvc metrics show`` prints one row per metrics file and one column per key, and ``dvc
+exp show`` one row per experiment with every metric, param and dependency as a column.
+The stages' detail files (hundreds of per-domain, per-rule, per-task keys) made both
+thousands of characters wide, so they are plain DVC outputs; this module reads them and
+writes
+
+- ``metrics/headline.json``, the only file declared as ``metrics:``: a dozen figures
+  nested by model (``base.bpb``, ``sft.tok_acc``, ``dpo.reward_acc``...; see SCREEN).
+  The keys are unique across models, so ``dvc exp show`` names a column ``dpo.bpb``
+  rather than by file and key, and one row of them fits a 200-column terminal;
+- ``metrics/headline.md``: every headline column for every model, models as rows.
+
+A missing detail file (a stage not run yet) leaves its columns out rather than failing.
 
 Columns: ``loss``, ``bpb`` (val loss and bits per byte, mixture-weighted, with ``_se``
 standard errors: the base model's from metrics/eval.json, a fine-tuned model's as
 evaluate_post measured it for forgetting, metrics/post_detail.json, on the same shards);
 ``tok_s`` (training tokens/s of the stage that made the model); ``resp_loss``,
-``tok_acc``, ``pref_acc``, ``reward_acc`` (held-out task scores, metrics/post.json); and
-one column per lm-evaluation-harness task, its ``acc`` (metrics/harness.json, the task
-names' shared prefix dropped).
+``tok_acc``, ``pref_acc``, ``reward_acc`` (held-out task scores,
+metrics/post.json); one column per lm-evaluation-harness task, its ``acc``
+(metrics/harness.json, the task names' shared prefix dropped); and ``lm_eval``, those
+accuracies' unweighted mean over the tasks.
 """
 
 from __future__ import annotations
@@ -32,7 +39,17 @@ TRAINING = {"base": "train", "sft": "sft", "dpo": "dpo"}
 # scores the same items, and both are in their detail files.)
 TASKS = {"response_loss": "resp_loss", "token_accuracy": "tok_acc",
          "pref_accuracy": "pref_acc", "reward_accuracy": "reward_acc"}
-HEADLINE_DIR = "metrics/headline"
+HEADLINE_JSON = "metrics/headline.json"
+HEADLINE_MD = "metrics/headline.md"
+# The figures in metrics/headline.json, by model: what each stage is compared by (val
+# bits/byte for all three, since fine-tuning can forget). A dozen, so that one row of them
+# (dvc metrics show) or one row per experiment beside its changed params (dvc exp show
+# --only-changed) fits a 200-column terminal; every other column is in headline.md. Val
+# loss is left to it: with one tokenizer it is bits/byte times a constant, and bits/byte
+# also compares across tokenizers.
+SCREEN = {"base": ("bpb", "bpb_se", "tok_s", "lm_eval"),
+          "sft": ("bpb", "resp_loss", "tok_acc", "lm_eval"),
+          "dpo": ("bpb", "pref_acc", "reward_acc", "lm_eval")}
 # Val figures, mixture-weighted, under their short column names.
 VAL = {"loss": "loss", "loss_stderr": "loss_se", "bits_per_byte": "bpb",
        "bits_per_byte_stderr": "bpb_se"}
@@ -71,11 +88,12 @@ def tuned_val_figures(detail: dict[str, Any], model: str) -> dict[str, float]:
 
 def harness_figures(harness: dict[str, Any], model: str) -> dict[str, float]:
     """Each harness task's ``acc`` for ``model``, keyed by the task name less the shared
-    prefix."""
+    prefix, and ``lm_eval``: their unweighted mean over the tasks."""
     tasks = harness.get(model, {})
     cut = len(_task_prefix(sorted(harness.get("chance", tasks))))
-    return {task[cut:]: scores["acc"] for task, scores in sorted(tasks.items())
+    accs = {task[cut:]: scores["acc"] for task, scores in sorted(tasks.items())
             if "acc" in scores}
+    return {**accs, "lm_eval": sum(accs.values()) / len(accs)} if accs else {}
 
 
 def headline(metrics_dir: str | Path = "metrics") -> dict[str, dict[str, float]]:
@@ -97,15 +115,36 @@ def headline(metrics_dir: str | Path = "metrics") -> dict[str, dict[str, float]]
     return rows
 
 
-def write_headline(metrics_dir: str | Path = "metrics",
-                   out_dir: str | Path = HEADLINE_DIR) -> list[Path]:
-    """Write ``{out_dir}/{model}.json`` for every model; the paths written."""
-    from lmforge.io import write_json
+def screen(rows: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """The SCREEN figures of ``rows`` (those present), models in pipeline order."""
+    return {model: {k: rows[model][k] for k in keys if k in rows.get(model, {})}
+            for model, keys in SCREEN.items()}
 
+
+def headline_markdown(rows: dict[str, dict[str, float]]) -> str:
+    """Every headline column as a markdown table: models as rows, ``tok_s`` whole."""
+    cols = sorted({k for r in rows.values() for k in r})
+    lines = ["| model | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for model in MODELS:
+        r = rows.get(model, {})
+        cells = [("" if k not in r else f"{r[k]:,}" if k == "tok_s" else f"{r[k]:.3f}")
+                 for k in cols]
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_headline(metrics_dir: str | Path = "metrics", json_path: str | Path = HEADLINE_JSON,
+                   md_path: str | Path = HEADLINE_MD) -> list[Path]:
+    """Write the SCREEN figures to ``json_path`` (nested by model, in pipeline order, so
+    ``dvc exp show`` lists base, sft, dpo) and every column to ``md_path``; the paths."""
+    from lmforge.io import atomic_path
+
+    rows = headline(metrics_dir)
     written = []
-    for model, row in headline(metrics_dir).items():
-        path = Path(out_dir) / f"{model}.json"
+    for path, text in ((Path(json_path), json.dumps(screen(rows), indent=2) + "\n"),
+                       (Path(md_path), headline_markdown(rows))):
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, row)
+        with atomic_path(path) as tmp:
+            tmp.write_text(text, encoding="utf-8")
         written.append(path)
     return written
