@@ -18,9 +18,13 @@ demo: setup
 	@echo "Headline metrics: dvc metrics show (detail: metrics/*.json, *.md); samples: metrics/samples.md, metrics/post_samples.md; lm-eval: metrics/harness.md; curves: dvc plots show; chat: lmforge chat"
 	@echo "MLflow UI: mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db  (then open http://127.0.0.1:5000)"
 
+# One pytest worker per core (pytest-xdist), a test file to a worker: a file's module
+# fixtures (a reproduced pipeline, a queue of experiments) are built once. Half the
+# suite's time is subprocesses that leave a core idle (DVC stages with one torch
+# thread, process start-up, polling), so two workers on two cores finish in ~0.6x.
 test: setup
 	ruff check .
-	pytest -q
+	pytest -q -n auto --dist loadfile
 
 lint:
 	ruff check .

@@ -6,7 +6,7 @@ The stages' detail files (hundreds of per-domain, per-rule, per-task keys) made 
 thousands of characters wide, so they are plain DVC outputs; this module reads them and
 writes
 
-- ``metrics/headline.json``, the only file declared as ``metrics:``: a dozen figures
+- ``metrics/headline.json``, the only file declared as ``metrics:``: ten figures
   nested by model (``base.bpb``, ``sft.tok_acc``, ``dpo.reward_acc``...; see SCREEN).
   The keys are unique across models, so ``dvc exp show`` names a column ``dpo.bpb``
   rather than by file and key, and one row of them fits a 200-column terminal;
@@ -42,14 +42,16 @@ TASKS = {"response_loss": "resp_loss", "token_accuracy": "tok_acc",
 HEADLINE_JSON = "metrics/headline.json"
 HEADLINE_MD = "metrics/headline.md"
 # The figures in metrics/headline.json, by model: what each stage is compared by (val
-# bits/byte for all three, since fine-tuning can forget). A dozen, so that one row of them
-# (dvc metrics show) or one row per experiment beside its changed params (dvc exp show
-# --only-changed) fits a 200-column terminal; every other column is in headline.md. Val
-# loss is left to it: with one tokenizer it is bits/byte times a constant, and bits/byte
-# also compares across tokenizers.
+# bits/byte for all three, since fine-tuning can forget). Ten, so that one row of them
+# (dvc metrics show), or one row per experiment beside the param it changed when every
+# figure changed (dvc exp show --only-changed after train.max_lr), fits a 200-column
+# terminal; every other column is in headline.md. Val loss is left to it: with one
+# tokenizer it is bits/byte times a constant, and bits/byte also compares across
+# tokenizers; so are resp_loss (tok_acc is the bounded one) and pref_acc (reward_acc is
+# what DPO optimises).
 SCREEN = {"base": ("bpb", "bpb_se", "tok_s", "lm_eval"),
-          "sft": ("bpb", "resp_loss", "tok_acc", "lm_eval"),
-          "dpo": ("bpb", "pref_acc", "reward_acc", "lm_eval")}
+          "sft": ("bpb", "tok_acc", "lm_eval"),
+          "dpo": ("bpb", "reward_acc", "lm_eval")}
 # Val figures, mixture-weighted, under their short column names.
 VAL = {"loss": "loss", "loss_stderr": "loss_se", "bits_per_byte": "bpb",
        "bits_per_byte_stderr": "bpb_se"}
