@@ -80,6 +80,31 @@ def test_planted_overlaps_are_found_and_near_misses_are_not(tmp_path):
     assert "| tasks | 5 | 4 | 3 | 75.0% | web 2, zh 1 | 0 |" in render(m)
 
 
+def test_a_short_string_of_cjk_characters_alone_is_checked_from_min_cjk_chars(tmp_path):
+    """A poem's next line (5 characters) is an n-gram of its own; a line one character
+    off, a 4-character answer and a short mixed string are not."""
+    assert ngrams("疑是地上霜", 13, 8, 5) == {tuple("疑是地上霜")}
+    assert ngrams("疑是地上霜", 13, 8) == set()  # without the CJK floor: too short
+    assert ngrams("地上之霜", 13, 8, 5) == set()  # 4 characters
+    assert ngrams("李白 wrote 静夜思", 13, 8, 5) == set()  # 5 words, not CJK alone
+    (tmp_path / "tasks").mkdir()
+    rows = [{"question": "What line follows 床前明月光 in the poem?", "answer": "疑是地上霜"},
+            {"question": "What line follows 白日依山尽 in the poem?", "answer": "黄河入海流"},
+            {"question": "Which season?", "answer": "地上之霜"}]
+    (tmp_path / "tasks" / "poems.jsonl").write_text(
+        "\n".join(json.dumps(r, ensure_ascii=False) for r in rows), encoding="utf-8")
+    _train(tmp_path, {"poem": ("zh", "静夜思：" + POEM),
+                      "near": ("zh", "白日依山尽，黄河入大海。"),  # one character off
+                      "clean": ("web", FILLER)})
+    m = run_decontam(DecontamConfig(num_workers=1), {"tasks": str(tmp_path / "tasks")},
+                     tmp_path / "train", tmp_path / "out")
+    s = m["sets"]["tasks"]
+    assert (s["items"], s["checked"], s["contaminated"]) == (3, 2, 1)
+    assert [e["train_id"] for e in s["examples"]] == ["poem"]
+    assert s["examples"][0]["shared"] == " ".join("疑是地上霜")
+    assert m["min_cjk_chars"] == 5 and "CJK characters alone: the whole item from 5" in render(m)
+
+
 def test_remove_drops_the_matching_documents_and_counts_them(tmp_path):
     _train(tmp_path, {"a": ("web", FILLER + QUESTION + FILLER), "b": ("web", FILLER * 2),
                       "c": ("zh", POEM)})
@@ -129,3 +154,13 @@ def test_the_shares_go_to_mlflow_as_metrics(tmp_path):
     (tmp_path / "decontam.json").write_text(json.dumps({"sets": {
         "tasks": {"contaminated_share": 0.25}, "sft_test": {"contaminated_share": 0.0}}}))
     assert decontam_metrics(tmp_path) == {"decontam/sft_test": 0.0, "decontam/tasks": 0.25}
+
+
+def test_min_cjk_chars_must_lie_between_one_and_min_ngram():
+    from lmforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"decontam\.min_cjk_chars: 9 must be <= "
+                                          r"decontam\.min_ngram=8"):
+        DecontamConfig(min_cjk_chars=9).validate()
+    with pytest.raises(ConfigError, match=r"decontam\.min_cjk_chars: 0 must be > 0"):
+        DecontamConfig(min_cjk_chars=0).validate()

@@ -219,6 +219,9 @@ class DecontamConfig:
     ngram: int = 13
     # Items of min_ngram..ngram-1 words are one n-gram; shorter ones are too short to tell.
     min_ngram: int = 8
+    # A string of CJK characters alone (a poem line, a short answer) is one n-gram from
+    # this many characters: a character is a word, and a 5-character line is particular.
+    min_cjk_chars: int = 5
     # An n-gram found in more than this many training documents is common, not counted.
     max_matches: int = 10
     # true: drop the training documents that hold an evaluation n-gram (counted).
@@ -227,11 +230,14 @@ class DecontamConfig:
     num_workers: int = 0
 
     def validate(self) -> None:
-        positive(self, "ngram", "min_ngram", "max_matches")
+        positive(self, "ngram", "min_ngram", "min_cjk_chars", "max_matches")
         non_negative(self, "num_workers")
         if self.min_ngram > self.ngram:
             raise ConfigError(f"{key(self, 'min_ngram')}: {self.min_ngram} must be <= "
                               f"{key(self, 'ngram')}={self.ngram}")
+        if self.min_cjk_chars > self.min_ngram:
+            raise ConfigError(f"{key(self, 'min_cjk_chars')}: {self.min_cjk_chars} must be <= "
+                              f"{key(self, 'min_ngram')}={self.min_ngram}")
 
 
 @dataclass

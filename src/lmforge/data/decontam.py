@@ -4,8 +4,10 @@ The 13-gram method of GPT-3 (Brown et al. 2020, appendix C) as NeMo Curator runs
 text is lowercased and split into words (a CJK character is a word, as the filter
 counts them; punctuation is dropped); each string of an evaluation item (question,
 answer, choice, turn) gives its 13-word windows, or itself whole when it has fewer
-than 13 words but at least ``min_ngram`` (8); an item with no such string is too short
-to tell. An item is contaminated when one of its
+than 13 words but at least ``min_ngram`` (8); a string written in CJK characters alone (a
+poem line, a short answer) is one n-gram from ``min_cjk_chars`` (5) characters, since a
+character is a word here and a five-character line is as particular as eight English
+words. An item with no such string is too short to tell. An item is contaminated when one of its
 n-grams occurs in a training document; an n-gram found in more than ``max_matches``
 documents is a common phrase (a licence line, a proverb) and is not counted. With
 ``remove``, the documents holding a counted n-gram are dropped (counted per domain);
@@ -33,6 +35,7 @@ from lmforge.executor import Executor, LocalExecutor, output_settings
 from lmforge.io import files_fingerprint, resumable_dir
 
 _TOKEN = re.compile(rf"[{CJK_RANGES}]|[^\W_{CJK_RANGES}]+")
+_CJK = re.compile(rf"[{CJK_RANGES}]")
 # Examples kept per evaluation set in the report, and characters shown of each.
 EXAMPLES = 5
 SNIPPET = 160
@@ -98,19 +101,22 @@ def read_items(name: str, path: str | Path) -> list[Item]:
     return items
 
 
-def ngrams(text: str, n: int, min_n: int) -> set[tuple[str, ...]]:
-    """One string's n-grams (empty when it is shorter than ``min_n`` words)."""
+def ngrams(text: str, n: int, min_n: int, min_cjk: int | None = None) -> set[tuple[str, ...]]:
+    """One string's n-grams: empty when it is shorter than ``min_n`` words, unless it is
+    CJK characters alone and at least ``min_cjk`` of them."""
     w = words(text)
     if len(w) < min_n:
-        return set()
+        cjk = min_cjk is not None and len(w) >= min_cjk and all(_CJK.fullmatch(c) for c in w)
+        return {tuple(w)} if cjk else set()
     if len(w) < n:
         return {tuple(w)}
     return {tuple(w[i:i + n]) for i in range(len(w) - n + 1)}
 
 
-def item_ngrams(item: Item, n: int, min_n: int) -> set[tuple[str, ...]]:
+def item_ngrams(item: Item, n: int, min_n: int, min_cjk: int | None = None
+                ) -> set[tuple[str, ...]]:
     """An item's n-grams: those of each of its strings (an answer of one word adds none)."""
-    return {g for s in item.strings for g in ngrams(s, n, min_n)}
+    return {g for s in item.strings for g in ngrams(s, n, min_n, min_cjk)}
 
 
 @dataclass
@@ -145,7 +151,7 @@ def build_index(items: list[Item], cfg: DecontamConfig) -> tuple[NgramIndex, lis
     index = NgramIndex()
     checked = []
     for k, item in enumerate(items):
-        grams = item_ngrams(item, cfg.ngram, cfg.min_ngram)
+        grams = item_ngrams(item, cfg.ngram, cfg.min_ngram, cfg.min_cjk_chars)
         checked.append(bool(grams))
         for g in grams:
             index.add(g, k)
@@ -227,7 +233,8 @@ def _metrics(cfg: DecontamConfig, sets: dict[str, str], items: list[Item], check
             "examples": [{"item": items[k].where, "text": _snip(items[k].text),
                           "train_id": hits[k][0], "domain": hits[k][1],
                           "shared": " ".join(hits[k][2])} for k in dirty_ks[:EXAMPLES]]}
-    return {"ngram": cfg.ngram, "min_ngram": cfg.min_ngram, "max_matches": cfg.max_matches,
+    return {"ngram": cfg.ngram, "min_ngram": cfg.min_ngram, "min_cjk_chars": cfg.min_cjk_chars,
+            "max_matches": cfg.max_matches,
             "remove": cfg.remove, "common_ngrams_ignored": len(common), "sets": by_set}
 
 
@@ -269,8 +276,9 @@ def render(metrics: dict[str, Any]) -> str:
     m = metrics
     lines = ["# Decontamination report", "",
              f"Evaluation items checked for {m['ngram']}-gram overlap with the training text "
-             f"(items of {m['min_ngram']}-{m['ngram'] - 1} words: the whole item; shorter: too "
-             f"short to tell; an n-gram in more than {m['max_matches']} documents is common and "
+             f"(items of {m['min_ngram']}-{m['ngram'] - 1} words: the whole item; CJK "
+             f"characters alone: the whole item from {m['min_cjk_chars']}; "
+             f"shorter: too short to tell; an n-gram in more than {m['max_matches']} documents is common and "
              f"not counted: {m['common_ngrams_ignored']:,} such). Overlapping documents "
              f"{'removed' if m['remove'] else 'kept (decontam.remove: false)'}.", "",
              "Contaminated: found in a training document; mix's val split is held out, so an "
