@@ -139,14 +139,12 @@ def write_headline(metrics_dir: str | Path = "metrics", json_path: str | Path = 
                    md_path: str | Path = HEADLINE_MD) -> list[Path]:
     """Write the SCREEN figures to ``json_path`` (nested by model, in pipeline order, so
     ``dvc exp show`` lists base, sft, dpo) and every column to ``md_path``; the paths."""
-    from lmforge.io import atomic_path
+    from lmforge.io import write_json, write_text
 
     rows = headline(metrics_dir)
-    written = []
-    for path, text in ((Path(json_path), json.dumps(screen(rows), indent=2) + "\n"),
-                       (Path(md_path), headline_markdown(rows))):
+    json_path, md_path = Path(json_path), Path(md_path)
+    for path in (json_path, md_path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            tmp.write_text(text, encoding="utf-8")
-        written.append(path)
-    return written
+    write_json(json_path, screen(rows), sort_keys=False)
+    write_text(md_path, headline_markdown(rows))
+    return [json_path, md_path]

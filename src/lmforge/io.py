@@ -54,11 +54,13 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def write_json(path: str | os.PathLike, obj: Any, durable: bool = False) -> None:
-    """Write ``obj`` as stable, human-readable JSON (sorted keys), atomically."""
+def write_json(path: str | os.PathLike, obj: Any, durable: bool = False,
+               sort_keys: bool = True) -> None:
+    """Write ``obj`` as stable, human-readable JSON (sorted keys unless ``sort_keys`` is
+    false: then in ``obj``'s order), atomically."""
     with atomic_path(path, durable) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n",
-                       encoding="utf-8")
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=sort_keys, ensure_ascii=False)
+                       + "\n", encoding="utf-8")
 
 
 def read_json_object(path: str | os.PathLike, missing: str = "not found") -> dict[str, Any]:

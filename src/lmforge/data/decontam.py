@@ -7,8 +7,8 @@ answer, choice, turn) gives its 13-word windows, or itself whole when it has few
 than 13 words but at least ``min_ngram`` (8); a string written in CJK characters alone (a
 poem line, a short answer) is one n-gram from ``min_cjk_chars`` (5) characters, since a
 character is a word here and a five-character line is as particular as eight English
-words. An item with no such string is too short to tell. An item is contaminated when one of its
-n-grams occurs in a training document; an n-gram found in more than ``max_matches``
+words. An item with no such string is too short to tell. An item is contaminated when
+one of its n-grams occurs in a training document; an n-gram found in more than ``max_matches``
 documents is a common phrase (a licence line, a proverb) and is not counted. With
 ``remove``, the documents holding a counted n-gram are dropped (counted per domain);
 otherwise the text passes unchanged and the report says what overlaps.
@@ -278,8 +278,8 @@ def render(metrics: dict[str, Any]) -> str:
              f"Evaluation items checked for {m['ngram']}-gram overlap with the training text "
              f"(items of {m['min_ngram']}-{m['ngram'] - 1} words: the whole item; CJK "
              f"characters alone: the whole item from {m['min_cjk_chars']}; "
-             f"shorter: too short to tell; an n-gram in more than {m['max_matches']} documents is common and "
-             f"not counted: {m['common_ngrams_ignored']:,} such). Overlapping documents "
+             f"shorter: too short to tell; an n-gram in more than {m['max_matches']} documents "
+             f"is common and not counted: {m['common_ngrams_ignored']:,} such). Overlapping documents "
              f"{'removed' if m['remove'] else 'kept (decontam.remove: false)'}.", "",
              "Contaminated: found in a training document; mix's val split is held out, so an "
              "item found only there is counted apart.", "",
