@@ -24,7 +24,7 @@ demo: setup
 # thread, process start-up, polling), so two workers on two cores finish in ~0.6x.
 test: setup
 	ruff check .
-	pytest -q -n auto --dist loadfile --durations=10
+	pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=10
 
 lint:
 	ruff check .

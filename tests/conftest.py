@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
+from filelock import FileLock
 
 
 @pytest.fixture(scope="session")
@@ -21,17 +24,30 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="session")
-def demo_data_repo(tmp_path_factory):
+def demo_data_repo(tmp_path_factory, worker_id):
     """A git+DVC repo with the pipeline, tiny params and a demo slice, its data stages
-    (ingest to shards) reproduced once for the session: the end-to-end tests copy it
+    (ingest to shards) reproduced once for the whole run: the end-to-end tests copy it
     (demo_repo.copy_repo) rather than each rebuilding the same data. Returns the
-    template's path and DVC's output."""
+    template's path and DVC's output.
+
+    Under pytest-xdist the first worker to ask builds it (a file lock) in the run's
+    shared temp directory, and the others use that one: each build is ~15 s of CPU.
+    """
     from demo_repo import DEMO, build_data_repo, stage_env
 
     if not DEMO.is_dir():
         pytest.fail("the demo corpus data/raw/demo is missing from the repository")
-    root = tmp_path_factory.mktemp("demo_data")
-    return root, build_data_repo(root, stage_env())
+    if worker_id == "master":  # no xdist: this process is the only user
+        root = tmp_path_factory.mktemp("demo_data")
+        return root, build_data_repo(root, stage_env())
+    shared = tmp_path_factory.getbasetemp().parent  # one per run, beside the workers' own
+    root, log = shared / "demo_data", shared / "demo_data.out"
+    with FileLock(str(shared / "demo_data.lock")):
+        if not log.is_file():  # written last: a repo half built by a failed worker is redone
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            log.write_text(build_data_repo(root, stage_env()), encoding="utf-8")
+    return root, log.read_text(encoding="utf-8")
 
 
 @pytest.fixture(scope="session")
@@ -41,3 +57,14 @@ def chat_tokenizer(tmp_path_factory):
     from chat_tokenizer import train
 
     return train(tmp_path_factory.mktemp("chat_tokenizer") / "tokenizer.model")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The slow modules (whole pipelines, multi-process training) first, in their order.
+
+    `make test` hands whole files to pytest-xdist workers (--dist loadfile,
+    --no-loadscope-reorder keeps this order): the longest files start at once and the
+    many short ones fill the gaps at the end, rather than a long file starting last and
+    running alone while the other workers sit idle.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -145,6 +145,22 @@ def test_a_rerun_queues_only_the_proxies_not_done_and_retries_the_failed(workspa
     assert "train.warmup=0.1" in sweep.proxy_sets(p, frozen)
 
 
+def test_a_rerun_with_every_proxy_done_starts_no_queue(workspace, monkeypatch):
+    p = params(proxies=2, jobs=2)
+    k = today_key(p)
+    fake = FakeDvc({f"mixsweep-{k}-00": "success", f"mixsweep-{k}-01": "success"})
+    fake.install(monkeypatch)
+    lines: list[str] = []
+    assert sweep.run_sweep(p, log=lines.append) == [f"mixsweep-{k}-00", f"mixsweep-{k}-01"]
+    assert not fake.queued and not any(c[:2] == ("queue", "start") for c in fake.calls)
+    assert any("0 proxies queued, 2 already there" in line for line in lines), lines
+    # One still running: the queue is started (it may have been stopped) and waited for.
+    fake = FakeDvc({f"mixsweep-{k}-00": "success", f"mixsweep-{k}-01": "running"})
+    fake.install(monkeypatch)
+    sweep.run_sweep(p, log=lambda _: None)
+    assert not fake.queued and ("queue", "start", "-j", "2") in fake.calls
+
+
 def test_the_frozen_tokenizer_outlives_a_new_workspace_tokenizer(workspace, monkeypatch):
     FakeDvc({}).install(monkeypatch)
     sweep.run_sweep(params(proxies=1), log=lambda _: None)

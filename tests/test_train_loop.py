@@ -402,6 +402,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
     params_a = (killed / "params.yaml").read_text(encoding="utf-8")
     params_b = yaml.safe_load(params_a)
     params_b["train"]["max_lr"] = 1e-3
+    params_b["train"]["compile"] = False  # B need only run to its end beside A: no compile
     (killed / "params.yaml").write_text(yaml.safe_dump(params_b), encoding="utf-8")
     out = finish(start_stage(killed))
     assert "resuming" not in out

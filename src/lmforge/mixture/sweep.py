@@ -286,8 +286,13 @@ def run_sweep(params: Params, jobs: int | None = None, dry_run: bool = False,
             dvc("exp", "remove", name)
         queue_experiment(name, weight_sets(sizes.domains, mixture) + shared, ("evaluate",))
         queued += 1
-    log(f"mix sweep: settings {key}: {queued} proxies queued, {len(names) - queued} "
-        f"already there; running {jobs or cfg.jobs} at a time")
+    there = len(names) - queued
+    if queued == 0 and all(done.get(n) == "success" for n in names):
+        # Every proxy has run: no queue workers to start (seconds each) or wait for.
+        log(f"mix sweep: settings {key}: 0 proxies queued, {there} already there")
+        return names
+    log(f"mix sweep: settings {key}: {queued} proxies queued, {there} already there; "
+        f"running {jobs or cfg.jobs} at a time")
     start_queue(jobs or cfg.jobs)
     wait_for_queue(report=lambda n: log(f"mix sweep: {n} proxies queued or running"))
     states = {n: e["state"] for n, e in experiments().items() if n in names}
