@@ -287,7 +287,7 @@ def run_sweep(params: Params, jobs: int | None = None, dry_run: bool = False,
         queue_experiment(name, weight_sets(sizes.domains, mixture) + shared, ("evaluate",))
         queued += 1
     there = len(names) - queued
-    if queued == 0 and all(done.get(n) == "success" for n in names):
+    if all(done.get(n) == "success" for n in names):  # nothing was queued either
         # Every proxy has run: no queue workers to start (seconds each) or wait for.
         log(f"mix sweep: settings {key}: 0 proxies queued, {there} already there")
         return names
