@@ -3,20 +3,25 @@
 #   make test   set up .venv and run the test suite (ruff + pytest)
 VENV := .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+SHELL := /bin/bash
+STAGE_TIMES := .dvc/tmp/stage_times.txt
 
 .PHONY: setup demo test lint docs
 
 setup:
 	scripts/setup.sh
 
+# dvc repro's output passes through scripts/stage_clock.py, which times each stage; the
+# table is printed last (PYTHONUNBUFFERED: the stages' logs still arrive line by line).
 demo: setup
-	dvc repro
+	set -o pipefail; PYTHONUNBUFFERED=1 dvc repro 2>&1 | python scripts/stage_clock.py --out $(STAGE_TIMES)
 	@echo
 	@python -m lmforge.summary
 	@python scripts/demo_pictures.py
 	@python scripts/demo_docs.py
 	@echo "Headline metrics: dvc metrics show (detail: metrics/*.json, *.md); samples: metrics/samples.md, metrics/post_samples.md; lm-eval: metrics/harness.md; curves: dvc plots show; chat: lmforge chat"
 	@echo "MLflow UI: mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db  (then open http://127.0.0.1:5000)"
+	@cat $(STAGE_TIMES)
 
 # One pytest worker per core (pytest-xdist), a test file to a worker: a file's module
 # fixtures (a reproduced pipeline, a queue of experiments) are built once. Half the

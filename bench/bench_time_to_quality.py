@@ -1,6 +1,7 @@
 """Time to quality: each speedrun change alone and the chosen set, on the demo shards.
 
-Variants (each alone on top of params.yaml's model and train sections, the baseline):
+Variants, each alone on top of the baseline (params.yaml's model and train sections with
+AdamW and none of these changes, ``BASELINE``, whatever params.yaml's defaults are):
 
 * ``muon``        ``train.optimizer: muon`` (torch.optim.Muon on the blocks' matrices)
 * ``zero_init``   ``model.zero_init_proj: true`` (wo, w2 start at zero)
@@ -83,16 +84,21 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "untied": ({"tie_embeddings": False}, {}),
     "stratified": ({}, {"batch_sampling": "stratified"}),
 }
+# The baseline every variant starts from, whatever params.yaml's defaults are now: the
+# demo's model and schedule with AdamW, no speedrun changes.
+BASELINE = ({"zero_init_proj": False, "qk_norm": False, "tie_embeddings": True},
+            {"optimizer": "adamw", "batch_sampling": "shuffled"})
 SHAPES = {"demo": {}, "8x512": {"n_layer": 8, "n_embd": 512, "n_head": 8}}
 
 
 def variant_params(base: Params, name: str, chosen: list[str], steps: int,
                    curve_every: int, shape: str) -> Params:
-    """``base`` with the variant's (or, for ``chosen``, every chosen variant's) changes,
-    the shape, and the bench's cadence (no samples, one checkpoint at the end)."""
+    """``base`` reset to the ``BASELINE``, with the variant's (or, for ``chosen``, every
+    chosen variant's) changes, the shape, and the bench's cadence (no samples, one
+    checkpoint at the end)."""
     parts = chosen if name == "chosen" else [name]
-    model_kw: dict[str, Any] = dict(SHAPES[shape])
-    train_kw: dict[str, Any] = {}
+    model_kw: dict[str, Any] = {**BASELINE[0], **SHAPES[shape]}
+    train_kw: dict[str, Any] = dict(BASELINE[1])
     for part in parts:
         model_kw.update(VARIANTS[part][0])
         train_kw.update(VARIANTS[part][1])
@@ -284,6 +290,9 @@ def main() -> None:
                     help="a nanoGPT checkout: run its train.py side by side")
     ap.add_argument("--nanogpt-compile", action="store_true")
     ap.add_argument("--out", default="", help="write every figure as JSON here")
+    ap.add_argument("--reuse", default="", metavar="JSON",
+                    help="an earlier --out of the same steps and shape: its runs are not "
+                         "trained again (e.g. --modes tokens,wall after a tokens-only run)")
     ap.add_argument("--verbose", action="store_true", help="print the loop's log lines")
     args = ap.parse_args()
 
@@ -305,6 +314,8 @@ def main() -> None:
     data = open_shard_data(Path(args.shards) / "train", Path(args.shards) / "val")
     results: dict[str, Any] = {"steps": steps, "shape": args.shape, "chosen": chosen,
                                "seeds": seeds, "sets": args.set, "runs": {}}
+    if args.reuse:
+        results["runs"] = reused_runs(Path(args.reuse), results)
     with tempfile.TemporaryDirectory() as tmp:
         for i, seed in enumerate(seeds):
             order = names if i % 2 == 0 else names[::-1]
@@ -312,6 +323,10 @@ def main() -> None:
                 for name in order:
                     key = f"{name}/{mode}/seed{seed}"
                     n = steps
+                    if key in results["runs"]:
+                        report(key, results["runs"][key], results["runs"].get(
+                            f"baseline/{mode}/seed{seed}"))
+                        continue
                     if mode == "wall":
                         base_run = results["runs"][f"baseline/tokens/seed{seed}"]
                         own = results["runs"][f"{name}/tokens/seed{seed}"]
@@ -334,6 +349,18 @@ def main() -> None:
             print(json.dumps(results["side_by_side"], indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1), encoding="utf-8")
+
+
+def reused_runs(path: Path, results: dict[str, Any]) -> dict[str, Any]:
+    """The runs of an earlier ``--out`` file, if it was made with the same steps, shape,
+    chosen set and ``--set`` overrides (else its figures would answer another question)."""
+    earlier = json.loads(path.read_text(encoding="utf-8"))
+    for k in ("steps", "shape", "chosen", "sets"):
+        if earlier.get(k) != results[k]:
+            sys.exit(f"bench_time_to_quality: {path}: {k} {earlier.get(k)!r} differs from "
+                     f"this run's {results[k]!r}")
+    print(f"reused from {path}: {', '.join(earlier['runs'])}", flush=True)
+    return dict(earlier["runs"])
 
 
 def report(key: str, run: dict, baseline: dict | None) -> None:

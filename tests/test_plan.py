@@ -262,7 +262,8 @@ def test_cli_prints_the_table(capsys):
     for label in labels:
         assert any(line.startswith(label) for line in lines), label
     fits = next(line for line in lines if line.startswith("fits micro-batch")).split()[-2:]
-    s = pl.Setup(demo_model(), DEMO_VOCAB, "bf16", world=8)
+    s = pl.Setup(demo_model(), DEMO_VOCAB, "bf16", world=8,
+                 optimizer=load_params(REPO / "params.yaml").train.optimizer)
     budget = 71 * GIB
     assert [int(f) for f in fits] == [pl.fit_micro_batch(s, st, budget)
                                       for st in pl.STRATEGIES]
@@ -274,9 +275,16 @@ def test_cli_json_for_the_1b_shape(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["params"] == 1_235_814_400 and doc["vocab"] == 128256
     assert doc["model"]["n_kv_head"] == 8 and doc["micro_batch"] == 16
-    assert doc["ddp"]["max_micro_batch"] == 12 and doc["ddp"]["fits"] is False
+    # params.yaml's optimizer: Muon (13 micro-batches fit under DDP; AdamW's 12).
+    optimizer = load_params(REPO / "params.yaml").train.optimizer
+    assert doc["optimizer"] == optimizer
+    s = pl.Setup(ONE_B, 128256, world=8, optimizer=optimizer)
+    assert doc["ddp"]["max_micro_batch"] == {"muon": 13, "adamw": 12}[optimizer]
+    assert doc["ddp"]["fits"] is False
     assert doc["fsdp"]["max_micro_batch"] == 20 and doc["fsdp"]["fits"] is True
-    assert doc["ddp"]["total"] == pl.total_bytes(pl.Setup(ONE_B, 128256, world=8), "ddp", 16)
+    assert doc["ddp"]["total"] == pl.total_bytes(s, "ddp", 16)
+    adamw = dataclasses.replace(s, optimizer="adamw")
+    assert pl.fit_micro_batch(adamw, "ddp", 71 * GIB) == 12
 
 
 def test_cli_overrides_and_vocab_fallback(tmp_path, capsys, monkeypatch):
@@ -301,3 +309,25 @@ def test_cli_errors_are_one_line(argv, capsys, monkeypatch):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_muon_optimizer_row_counts_the_tensors_muon_takes(qk_norm):
+    """Muon keeps one fp32 buffer for what ``muon_parameters`` hands it, AdamW two for
+    the rest; FSDP refuses Muon, so its column stays AdamW's."""
+    from lmforge.train.optim import muon_parameters
+
+    cfg = ModelConfig(n_layer=3, n_head=4, n_kv_head=2, n_embd=64, seq_len=32,
+                      qk_norm=qk_norm, family="qwen3" if qk_norm else "llama")
+    vocab = 500
+    model = Llama(cfg, vocab)
+    matrices = sum(p.numel() for _, p in muon_parameters(model))
+    total = model.num_params()
+    assert pl.muon_matrix_params(cfg) == matrices
+    muon = pl.Setup(cfg, vocab, "bf16", world=2, optimizer="muon")
+    adamw = dataclasses.replace(muon, optimizer="adamw")
+    assert pl.optimizer_bytes(muon, "ddp") == 4 * matrices + 8 * (total - matrices)
+    assert pl.optimizer_bytes(adamw, "ddp") == 8 * total
+    assert pl.optimizer_bytes(muon, "fsdp") == pl.optimizer_bytes(adamw, "fsdp")
+    assert "optimizer (Muon/AdamW)" in pl.format_table(pl.plan(muon, 80, 8), "test")
+    assert "optimizer (AdamW)" in pl.format_table(pl.plan(adamw, 80, 8), "test")

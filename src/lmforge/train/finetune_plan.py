@@ -422,6 +422,10 @@ def build_tune(args: argparse.Namespace) -> tuple[Tune, int, dict[str, str]]:
     setup, _, source = pl.build_setup(args, params)
     if args.world is None:
         setup = dataclasses.replace(setup, world=1)
+    # Fine-tuning plans AdamW (the rows say so), whatever the section's optimizer: the
+    # sft/dpo sections default to it, LoRA adapters always use it, and Muon is the
+    # pretraining default (lmforge plan without --mode plans that).
+    setup = dataclasses.replace(setup, optimizer="adamw")
     lora = getattr(getattr(params, args.section), "lora", None) or LoraConfig()
     tune = Tune(setup=setup, mode=args.mode,
                 rank=args.rank if args.rank is not None else lora.rank,

@@ -121,6 +121,7 @@ class Setup:
     world: int = 1
     activation_checkpointing: bool = False
     fused_loss: bool = True
+    optimizer: str = "adamw"  # adamw | muon (train.optimizer)
 
 
 # --------------------------------------------------------------------------- parameters
@@ -223,8 +224,18 @@ def grads_bytes(s: Setup, strategy: str) -> int:
     return 4 * _per_rank(s, strategy)
 
 
+def muon_matrix_params(cfg: ModelConfig) -> int:
+    """The elements Muon takes (lmforge.train.optim.muon_parameters): every block's 2-D
+    weights (wq wk wv wo w1 w2 w3), not norms, biases, the embedding or the head."""
+    return cfg.n_layer * _numel([s for s in param_shapes(cfg, 0)[1] if len(s) == 2])
+
+
 def optimizer_bytes(s: Setup, strategy: str) -> int:
-    """8 * P (AdamW's exp_avg and exp_avg_sq in fp32); FSDP: 8 * P/N."""
+    """8 * P (AdamW's exp_avg and exp_avg_sq in fp32); FSDP: 8 * P/N. With Muon, which
+    keeps one fp32 momentum buffer, the blocks' matrices take 4 bytes instead of 8; Muon
+    is refused under FSDP (config/train.py), so the FSDP column plans AdamW."""
+    if s.optimizer == "muon" and strategy == "ddp":
+        return 8 * _per_rank(s, strategy) - 4 * muon_matrix_params(s.model)
     return 8 * _per_rank(s, strategy)
 
 
@@ -364,7 +375,7 @@ def activation_bytes_per_seq(s: Setup, strategy: str) -> int:
 ROWS: tuple[tuple[str, str], ...] = (
     ("params", "params (fp32)"),
     ("grads", "grads (fp32)"),
-    ("optimizer", "optimizer (AdamW)"),
+    ("optimizer", "optimizer"),
     ("buckets", "DDP grad buckets"),
     ("unsharded_params", "unsharded params"),
     ("unsharded_grads", "unsharded grads"),
@@ -424,7 +435,7 @@ def plan(s: Setup, device_gib: float, micro_batch: int,
         "model": dataclasses.asdict(s.model), "precision": s.precision, "world": s.world,
         "activation_checkpointing": s.activation_checkpointing, "fused_loss": s.fused_loss,
         "device_bytes": device, "reserve_bytes": device - budget, "budget_bytes": budget,
-        "micro_batch": micro_batch,
+        "micro_batch": micro_batch, "optimizer": s.optimizer,
     }
     for strategy in STRATEGIES:
         figures: dict[str, Any] = dict(rows_bytes(s, strategy, micro_batch))
@@ -467,7 +478,9 @@ def format_table(p: dict[str, Any], source: str) -> str:
     def row(label: str, cells: list[str]) -> None:
         lines.append(f"{label:28}" + "".join(f"{c:>13}" for c in cells))
 
+    optimizer = "Muon/AdamW" if p["optimizer"] == "muon" else "AdamW"
     for key, label in ROWS:
+        label = f"{label} ({optimizer})" if key == "optimizer" else label
         row(label, ["-" if key in _NOT_APPLICABLE[st] else format_size(p[st][key])
                     for st in STRATEGIES])
     row("activations/seq", [format_size(p[st]["activations_per_seq"]) for st in STRATEGIES])
@@ -480,6 +493,9 @@ def format_table(p: dict[str, Any], source: str) -> str:
                  f"{FRAGMENTATION:.0%} for allocator fragmentation); '!' = over budget")
     lines.append("assumes flash / memory-efficient SDPA (no s x s scores), eager autograd "
                  "(torch.compile keeps less), gradients resident; GiB = 2^30 bytes")
+    if p["optimizer"] == "muon":
+        lines.append("optimizer: Muon (one fp32 buffer) on the blocks' matrices, AdamW on the "
+                     "rest; fsdp plans AdamW, as Muon is refused under FSDP")
     return "\n".join(lines)
 
 
@@ -555,7 +571,7 @@ def build_setup(args: argparse.Namespace,
                   activation_checkpointing=(cfg.activation_checkpointing
                                             if args.activation_checkpointing is None
                                             else args.activation_checkpointing),
-                  fused_loss=fused)
+                  fused_loss=fused, optimizer=cfg.optimizer)
     micro_batch = args.micro_batch or cfg.micro_batch_size
     return setup, micro_batch, {"model": source, "vocab": vocab_source}
 
