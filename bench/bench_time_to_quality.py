@@ -334,6 +334,10 @@ def main() -> None:
                         tps = (p.train.micro_batch_size * p.train.grad_accum_steps
                                * p.model.seq_len)
                         n = wall_steps(base_run, own, tps)
+                        if n == own["steps"]:  # the same run as the tokens one: reuse it
+                            results["runs"][key] = own
+                            report(key, own, results["runs"].get(f"baseline/{mode}/seed{seed}"))
+                            continue
                     p = variant_params(base, name, chosen, n,
                                        curve_every if mode == "tokens" else 0, args.shape)
                     p = dataclasses.replace(p, train=dataclasses.replace(p.train, seed=seed))
@@ -352,15 +356,18 @@ def main() -> None:
 
 
 def reused_runs(path: Path, results: dict[str, Any]) -> dict[str, Any]:
-    """The runs of an earlier ``--out`` file, if it was made with the same steps, shape,
-    chosen set and ``--set`` overrides (else its figures would answer another question)."""
+    """The runs of an earlier ``--out`` file made with the same steps, shape and ``--set``
+    overrides (else its figures would answer another question); its ``chosen`` runs only
+    if it chose the same set."""
     earlier = json.loads(path.read_text(encoding="utf-8"))
-    for k in ("steps", "shape", "chosen", "sets"):
+    for k in ("steps", "shape", "sets"):
         if earlier.get(k) != results[k]:
             sys.exit(f"bench_time_to_quality: {path}: {k} {earlier.get(k)!r} differs from "
                      f"this run's {results[k]!r}")
-    print(f"reused from {path}: {', '.join(earlier['runs'])}", flush=True)
-    return dict(earlier["runs"])
+    runs = {k: v for k, v in earlier["runs"].items()
+            if earlier["chosen"] == results["chosen"] or not k.startswith("chosen/")}
+    print(f"reused from {path}: {', '.join(runs)}", flush=True)
+    return runs
 
 
 def report(key: str, run: dict, baseline: dict | None) -> None:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 from test_train_loop import REPO, make_inputs
 
@@ -64,3 +65,24 @@ def test_nanogpt_gets_the_same_token_streams(tmp_path):
         theirs = np.fromfile(tmp_path / "nano" / f"{split}.bin", dtype=np.uint16)
         np.testing.assert_array_equal(theirs, shards.read(0, shards.num_tokens))
     assert bench.wall_steps({"seconds": 10.0}, {"tokens": 1000, "seconds": 5.0}, 100) == 20
+
+
+def test_reuse_takes_the_runs_that_answer_the_same_question(tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import bench_time_to_quality as bench
+    finally:
+        sys.path.pop(0)
+    earlier = {"steps": 500, "shape": "demo", "chosen": ["muon", "qk_norm"], "sets": [],
+               "runs": {"baseline/tokens/seed1": {"bpb": 2.7}, "chosen/tokens/seed1": {"bpb": 2.3}}}
+    path = tmp_path / "tokens.json"
+    path.write_text(json.dumps(earlier))
+    now = {"steps": 500, "shape": "demo", "chosen": ["muon", "qk_norm"], "sets": []}
+    assert bench.reused_runs(path, now) == earlier["runs"]
+    # Another chosen set: its chosen runs are trained again, the rest reused.
+    assert bench.reused_runs(path, {**now, "chosen": ["muon"]}) == {
+        "baseline/tokens/seed1": {"bpb": 2.7}}
+    assert "reused from" in capsys.readouterr().out
+    for key, value in (("steps", 300), ("shape", "8x512"), ("sets", ["train.muon_lr=0.04"])):
+        with pytest.raises(SystemExit, match=f"{key} .* differs"):
+            bench.reused_runs(path, {**now, key: value})
