@@ -8,6 +8,7 @@ AdamW and none of these changes, ``BASELINE``, whatever params.yaml's defaults a
 * ``qk_norm``     ``model.family: qwen3, qk_norm: true`` (exports as Qwen3ForCausalLM)
 * ``untied``      ``model.tie_embeddings: false``
 * ``stratified``  ``train.batch_sampling: stratified``
+* ``wsd``         ``train.schedule: wsd, max_lr: 6e-3`` (the sweep's schedule and AdamW rate)
 * ``chosen``      the set named by ``--chosen`` together
 
 Two comparisons (``--modes``):
@@ -33,8 +34,8 @@ the gains hold as the model grows.
 ``--nanogpt DIR`` also runs the real upstream nanoGPT ``train.py`` (from a checkout the
 user gives; nothing of it is vendored here) side by side on the same train tokens: the
 shard streams are written as its ``train.bin``/``val.bin`` (uint16) with a ``meta.pkl``,
-it trains the same shape, batch, steps, peak rate and warmup (its cosine to ``min_lr``
-0, as the demo's ``min_lr_ratio`` 0), fp32 on CPU, ``--nanogpt-compile`` as asked; its
+it trains the same shape, batch and steps with the baseline's AdamW peak rate, warmup and
+cosine (to ``min_lr`` 0, as the demo's ``min_lr_ratio`` 0: nanoGPT's own schedule shape), fp32 on CPU, ``--nanogpt-compile`` as asked; its
 final model is scored on the same val windows by the same code as ours, and its training
 time (the sum of its own per-iteration times: compile included, process start-up not,
 as lmforge's clock starts at ``train()`` with the model build and compile; the whole
@@ -45,7 +46,7 @@ those evals are inside lmforge's clock, so the figure is conservative).
 
     .venv/bin/python bench/bench_time_to_quality.py [--steps 500] [--modes tokens,wall]
         [--variants baseline,muon,zero_init,qk_norm,untied,stratified,chosen]
-        [--chosen muon,zero_init,qk_norm] [--shape demo|8x512] [--seeds 1337]
+        [--chosen muon,zero_init,stratified,wsd] [--shape demo|8x512] [--seeds 1337]
         [--set train.muon_lr=0.03 ...] [--nanogpt /tmp/nanoGPT [--nanogpt-compile]]
         [--threads 2] [--device cpu] [--out results.json]
 """
@@ -83,11 +84,14 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "qk_norm": ({"family": "qwen3", "qk_norm": True}, {}),
     "untied": ({"tie_embeddings": False}, {}),
     "stratified": ({}, {"batch_sampling": "stratified"}),
+    "wsd": ({}, {"schedule": "wsd", "max_lr": 6e-3}),
 }
 # The baseline every variant starts from, whatever params.yaml's defaults are now: the
-# demo's model and schedule with AdamW, no speedrun changes.
+# demo's model with AdamW at the rate and cosine schedule it was tuned with before issue
+# 24, no speedrun changes.
 BASELINE = ({"zero_init_proj": False, "qk_norm": False, "tie_embeddings": True},
-            {"optimizer": "adamw", "batch_sampling": "shuffled"})
+            {"optimizer": "adamw", "batch_sampling": "shuffled", "max_lr": 3e-3,
+             "schedule": "cosine"})
 SHAPES = {"demo": {}, "8x512": {"n_layer": 8, "n_embd": 512, "n_head": 8}}
 
 
@@ -278,7 +282,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0, help="0 = params.yaml train.max_steps")
     ap.add_argument("--modes", default="tokens,wall")
     ap.add_argument("--variants", default=",".join([*VARIANTS, "chosen"]))
-    ap.add_argument("--chosen", default="muon,zero_init,qk_norm,stratified")
+    ap.add_argument("--chosen", default="muon,zero_init,stratified,wsd")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="demo")
     ap.add_argument("--seeds", default="", help="comma-separated; default train.seed")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -347,7 +351,8 @@ def main() -> None:
                         f"baseline/{mode}/seed{seed}"))
         if args.nanogpt:
             ours = results["runs"][f"chosen/tokens/seed{seeds[0]}"]
-            p = variant_params(base, "chosen", chosen, steps, 0, args.shape)
+            # nanoGPT gets the baseline's AdamW rate and cosine schedule (its own shape).
+            p = variant_params(base, "baseline", chosen, steps, 0, args.shape)
             results["side_by_side"] = side_by_side(args, p, ours, data, env,
                                                    Path(tmp) / "nanogpt")
             print(json.dumps(results["side_by_side"], indent=1))
