@@ -42,14 +42,16 @@ def test_a_changed_metric_changes_the_page(docs, tmp_path):
             "<!-- gen:headline -->\n<!-- /gen:headline -->\n")
     before = docs.render(page, docs.metrics(tmp_path), tmp_path)
     train = tmp_path / "metrics" / "train.json"
-    train.write_text(train.read_text().replace('"steps": 500', '"steps": 501'))
+    figures = json.loads(train.read_text(encoding="utf-8"))
+    steps = figures["steps"] + 1
+    train.write_text(json.dumps({**figures, "steps": steps}), encoding="utf-8")
     # The base model's headline loss is eval.json's mixture-weighted val loss.
     ev_path = tmp_path / "metrics" / "eval.json"
     ev = json.loads(ev_path.read_text(encoding="utf-8"))
     ev["val"]["mix_weighted"]["loss"] = 1.25
     ev_path.write_text(json.dumps(ev), encoding="utf-8")
     after = docs.render(page, docs.metrics(tmp_path), tmp_path)
-    assert "-->501<!--/-->" in after and "-->1.250<!--/-->" in after
+    assert f"-->{steps}<!--/-->" in after and "-->1.250<!--/-->" in after
     assert "| base | " in after and "1.250" in after.split("gen:headline")[1]
     assert before != after
 
