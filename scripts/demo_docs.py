@@ -168,9 +168,29 @@ def block_domains(found: dict[str, Figures], root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _ttq_table(root: Path, results: str) -> str:
+    """bench/ttq_table.py's ablation layout of a committed time-to-quality JSON."""
+    spec = importlib.util.spec_from_file_location("ttq_table", root / "bench/ttq_table.py")
+    ttq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ttq)
+    return ttq.ablation_table(ttq.load(root / "bench/results" / results)) + "\n"
+
+
+def block_ablation_demo(found: dict[str, Figures], root: Path) -> str:
+    """Each speedrun change alone and the chosen set at the demo shape (issue 24's bench,
+    bench/results/time_to_quality_demo_200steps.json)."""
+    return _ttq_table(root, "time_to_quality_demo_200steps.json")
+
+
+def block_ablation_large(found: dict[str, Figures], root: Path) -> str:
+    """The same at 8 layers x 512 (bench/results/time_to_quality_8x512_100steps.json)."""
+    return _ttq_table(root, "time_to_quality_8x512_100steps.json")
+
+
 BLOCKS: dict[str, Callable[[dict[str, Figures], Path], str]] = {
     "summary": block_summary, "headline": block_headline, "harness": block_harness,
-    "post": block_post, "domains": block_domains}
+    "post": block_post, "domains": block_domains, "ablation_demo": block_ablation_demo,
+    "ablation_large": block_ablation_large}
 
 
 def plan_output(m: re.Match) -> str:

@@ -56,6 +56,25 @@ def test_a_changed_metric_changes_the_page(docs, tmp_path):
     assert before != after
 
 
+def test_the_ablation_table_is_the_bench_json(docs, tmp_path):
+    """docs/training.md's time-to-quality table is bench/results' JSON: a changed run
+    changes its row, its difference from the baseline and its tokens/s ratio."""
+    shutil.copytree(REPO / "bench" / "results", tmp_path / "bench" / "results")
+    shutil.copy(REPO / "bench" / "ttq_table.py", tmp_path / "bench" / "ttq_table.py")
+    page = "<!-- gen:ablation_demo -->\n<!-- /gen:ablation_demo -->\n"
+    before = docs.render(page, {}, tmp_path)
+    path = tmp_path / "bench" / "results" / "time_to_quality_demo_200steps.json"
+    results = json.loads(path.read_text(encoding="utf-8"))
+    base = results["runs"]["baseline/tokens/seed1337"]
+    muon = results["runs"]["muon/tokens/seed1337"]
+    muon.update(bpb=base["bpb"] - 0.25, tokens_per_sec=base["tokens_per_sec"] / 2)
+    path.write_text(json.dumps(results), encoding="utf-8")
+    after = docs.render(page, {}, tmp_path)
+    row = next(line for line in after.splitlines() if line.startswith("| muon |"))
+    assert f"| {base['bpb'] - 0.25:.3f} ± " in row and "| -0.250 | 0.50x |" in row
+    assert before != after and len(after.splitlines()) == len(before.splitlines())
+
+
 def test_a_figure_that_names_no_metric_is_one_clear_error(docs):
     with pytest.raises(ValueError, match=r"train\.no_such_key"):
         docs.render("<!--= train.no_such_key | .3f -->1<!--/-->", docs.metrics())
