@@ -68,10 +68,7 @@ main() {
   if [ ! -x .venv/bin/python ]; then
     "$python" -m venv .venv
   fi
-  # --no-compile: pip would byte-compile all ~24,500 installed modules (about a minute of
-  # one core); Python compiles the ones a run imports, once, on first import instead.
   local pip=".venv/bin/python -m pip"
-  local install="$pip install --quiet --no-compile"
   $pip install --quiet --upgrade pip
 
   # Probe and install only when needed: make runs this before every demo and test.
@@ -79,15 +76,15 @@ main() {
     choose_torch .venv/bin/python
     if [ -n "$TORCH_INDEX" ]; then
       echo "setup: installing $TORCH_SPEC from $TORCH_INDEX"
-      $install "$TORCH_SPEC" --index-url "$TORCH_INDEX"
+      $pip install --quiet "$TORCH_SPEC" --index-url "$TORCH_INDEX"
     else
       echo "setup: installing $TORCH_SPEC"
-      $install "$TORCH_SPEC"
+      $pip install --quiet "$TORCH_SPEC"
     fi
   fi
 
   echo "setup: installing lmforge${EXTRAS:-[dev]}"
-  $install -e ".${EXTRAS:-[dev]}"
+  $pip install --quiet -e ".${EXTRAS:-[dev]}"
   .venv/bin/python -c "import torch, lmforge; print(f'setup: torch {torch.__version__}, cuda={torch.cuda.is_available()}')"
 }
 
