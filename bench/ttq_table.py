@@ -24,6 +24,7 @@ def load(path: Path) -> dict[str, Any]:
 
 
 def _run(results: dict[str, Any], name: str, mode: str) -> dict[str, Any] | None:
+    """A variant's run in ``mode`` at the file's first seed (a table is one seed's)."""
     seed = results["seeds"][0]
     return results["runs"].get(f"{name}/{mode}/seed{seed}")
 

@@ -168,11 +168,17 @@ def block_domains(found: dict[str, Figures], root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _script(path: Path):
+    """A script that is no package module (scripts/, bench/), loaded from its file."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _ttq_table(root: Path, results: str) -> str:
     """bench/ttq_table.py's ablation layout of a committed time-to-quality JSON."""
-    spec = importlib.util.spec_from_file_location("ttq_table", root / "bench/ttq_table.py")
-    ttq = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ttq)
+    ttq = _script(root / "bench/ttq_table.py")
     return ttq.ablation_table(ttq.load(root / "bench/results" / results)) + "\n"
 
 
@@ -196,9 +202,7 @@ BLOCKS: dict[str, Callable[[dict[str, Figures], Path], str]] = {
 def plan_output(m: re.Match) -> str:
     """A fenced ``$ lmforge plan ...`` block with the command's output today (the
     function scripts/plan_docs.py fills docs/fine-tuning-memory.md with)."""
-    spec = importlib.util.spec_from_file_location("plan_docs", REPO / "scripts/plan_docs.py")
-    plan_docs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plan_docs)
+    plan_docs = _script(REPO / "scripts/plan_docs.py")
     return f"```\n$ {m.group(1)}\n{plan_docs.run(m.group(1))}```"
 
 
