@@ -312,7 +312,7 @@ def test_post_training_params_change_only_post_training_stages(pipeline, env):
     changed = changed_stages(root, env, "sft_data.val_fraction", "0.2")
     assert "sft_data" in changed and not changed & upstream, changed
     changed = changed_stages(root, env, "dpo.beta", "0.2")
-    assert "dpo" in changed and not changed & (upstream | {"sft_data", "sft", "dpo_data"})
+    assert "dpo" in changed and not changed & (upstream | {"sft_data", "sft", "dpo_data"}), changed
     assert downstream(root, "dpo") == {"evaluate_post", "harness", "headline"}
     assert downstream(root, "sft") >= {"dpo", "evaluate_post", "harness", "headline"}
     assert not downstream(root, "sft") & (upstream | {"sft_data", "dpo_data"})
