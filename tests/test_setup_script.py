@@ -1,4 +1,5 @@
-"""scripts/setup.sh picks the CPU build of torch without a GPU, and says so when it can't."""
+"""scripts/setup.sh picks the CPU build of torch without a GPU, and says so when it can't;
+it installs the rest with uv, and with pip where uv is refused or fails."""
 
 from __future__ import annotations
 
@@ -75,3 +76,36 @@ def test_a_gpu_or_the_users_choice_skips_the_cpu_index(tmp_path):
     assert choose(tmp_path, gpu=False, TORCH_SPEC="torch==2.6.0",
                   TORCH_INDEX="https://x/cu124")[0] == "torch==2.6.0|https://x/cu124"
     assert choose(tmp_path, gpu=False, TORCH_INDEX="https://x/cpu")[0] == "torch==2.13.0|https://x/cpu"
+
+
+def install(tmp_path: Path, fail: str = "", **env: str) -> tuple[list[str], str]:
+    """Source setup.sh, run install_lmforge with a stand-in Python that records each
+    command and fails the one starting with ``fail``; return (commands, stderr)."""
+    log = tmp_path / "calls.log"
+    log.unlink(missing_ok=True)
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\n'
+                    f'case "$*" in "{fail}"*) [ -n "{fail}" ] && exit 1;; esac\nexit 0\n')
+    fake.chmod(0o755)
+    full = {k: v for k, v in os.environ.items() if k != "INSTALLER"}
+    full.update(env)
+    proc = subprocess.run(["bash", "-c", f'source "{SETUP}"; install_lmforge "{fake}" ".[dev]"'],
+                          env=full, capture_output=True, text=True, timeout=60, check=True)
+    return log.read_text().splitlines(), proc.stderr.strip()
+
+
+def test_the_rest_goes_in_with_uv_and_with_pip_where_uv_is_refused_or_fails(tmp_path):
+    calls, err = install(tmp_path)
+    assert [c.split()[:3] for c in calls] == [["-m", "pip", "install"], ["-m", "uv", "pip"]]
+    assert "--compile-bytecode" in calls[1] and calls[1].endswith("-e .[dev]") and err == ""
+
+    calls, err = install(tmp_path, fail="-m uv")
+    assert calls[-1] == "-m pip install --quiet -e .[dev]" and len(calls) == 3
+    assert err == "setup: uv failed; installing with pip"
+
+    calls, err = install(tmp_path, fail="-m pip install --quiet uv")
+    assert calls[-1] == "-m pip install --quiet -e .[dev]" and len(calls) == 2
+    assert err == "setup: uv could not be installed; installing with pip"
+
+    calls, err = install(tmp_path, INSTALLER="pip")
+    assert calls == ["-m pip install --quiet -e .[dev]"] and err == ""
