@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -395,3 +396,45 @@ def test_experiments_reads_dvc_exp_show_for_queued_temp_and_failed_runs(monkeypa
         "success", "failed", "success"]
     assert found["confirm"]["metrics"] == {"m.json": {"v": 4}}
     assert found["q-00"]["params"] == {"params.yaml": {"a": 2}}
+
+
+def test_a_failed_queue_status_poll_is_tried_again_and_the_third_failure_is_the_error(
+        monkeypatch):
+    """`dvc queue status` can fail after printing its table (DVC's worker-status race);
+    one failed poll must not end a sweep, three in a row must, naming dvc's error."""
+    from lmforge import experiments as exps
+    from lmforge.errors import LmforgeError
+
+    table = ("Task     Name   Created    Status\n46efa32  p-00   12:06 PM   Running\n"
+             "8d2b9c0  p-01   12:07 PM   Success\n")
+    answers = [LmforgeError("dvc queue status failed: Extra data"), table]
+
+    def fake_dvc(*args):
+        assert args == ("queue", "status")
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(exps, "dvc", fake_dvc)
+    assert exps.busy_experiments(pause=0) == ["46efa32  p-00   12:06 PM   Running"]
+    assert answers == []
+
+    answers[:] = [LmforgeError(f"dvc queue status failed: try {i}") for i in range(3)]
+    with pytest.raises(LmforgeError, match="try 2"):
+        exps.busy_experiments(pause=0)
+    assert answers == []
+
+
+def test_dvc_failure_names_stderr_after_a_table_on_stdout(tmp_path, monkeypatch):
+    """The one-line error ends with dvc's error, not the table dvc printed before it."""
+    from lmforge import experiments as exps
+    from lmforge.errors import LmforgeError
+
+    fake = tmp_path / "dvc"
+    fake.write_text("#!/bin/sh\necho 'Task Name Created Status'\necho 'abc p-00 Running'\n"
+                    "echo 'ERROR: unexpected error - Extra data: line 1' >&2\nexit 255\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with pytest.raises(LmforgeError, match=r"Running / ERROR: unexpected error - Extra data"):
+        exps.dvc("queue", "status")

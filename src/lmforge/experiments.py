@@ -26,7 +26,8 @@ def dvc(*args: str) -> str:
     except FileNotFoundError:
         raise LmforgeError("dvc: not found on PATH (pip install lmforge installs it)") from None
     if proc.returncode != 0:
-        tail = (proc.stderr + proc.stdout).strip().splitlines()[-3:]
+        # stderr last: its error line is the one to show, not the end of a table on stdout
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
         raise LmforgeError(f"dvc {' '.join(args[:3])} failed: {' / '.join(tail)}")
     return proc.stdout
 
@@ -55,9 +56,22 @@ def start_queue(jobs: int) -> None:
             raise LmforgeError(f"dvc queue start failed: {' / '.join(tail)}")
 
 
-def busy_experiments() -> list[str]:
-    """Lines of ``dvc queue status`` for experiments queued or running."""
-    status = dvc("queue", "status")
+def busy_experiments(tries: int = 3, pause: float = 2.0) -> list[str]:
+    """Lines of ``dvc queue status`` for experiments queued or running.
+
+    ``dvc queue status`` prints the task table, then asks the workers for their state;
+    with two workers that second part can fail on a half-written message file (a known
+    race in DVC's file-system broker, treeverse/dvc-task#73) after the table is out. A
+    failed poll is tried again, ``tries`` times in all, before it is an error.
+    """
+    for attempt in range(tries):
+        try:
+            status = dvc("queue", "status")
+            break
+        except LmforgeError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(pause)
     return [line for line in status.splitlines() if re.search(r"\b(Running|Queued)\s*$", line)]
 
 
