@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from lmforge.config import ModelConfig, TrainConfig
+from lmforge.model.compiling import before_compile
 from lmforge.model.llama import Llama
 from lmforge.shards.loader import ShardSet, WindowLoader
 from lmforge.shards.writer import write_shards
@@ -98,6 +99,8 @@ def measure(strategy: str, args: argparse.Namespace, device: torch.device, shape
         how += " per block" if compiled else ""
     else:
         model = Llama(mcfg, shape["vocab"]).to(device)
+        if compiled:
+            before_compile()
         step_model = torch.compile(model) if compiled else model
     optimizer = build_optimizer(model, cfg, device)
     for group in optimizer.param_groups:

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from lmforge.config import TrainConfig
+from lmforge.model.compiling import before_compile
 from lmforge.model.frozen import hold_frozen_in
 from lmforge.model.lora import apply_lora, trainable_parameters
 from lmforge.model.saved import load_model
@@ -78,6 +79,8 @@ class Ours:
             p.data = p.data.clone()
         apply_lora(self.model, rank, 2.0 * rank, 0.0, ["attn", "mlp"])
         hold_frozen_in(self.model, base_dtype)
+        if compile_:
+            before_compile()  # as compile_step_model does
         self.step_model = torch.compile(self.model) if compile_ else self.model
         cfg = TrainConfig(max_lr=LR, weight_decay=0.0)
         self.opt = build_optimizer(self.model, cfg, CPU.device)

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from lmforge.config import ModelConfig, TrainConfig
+from lmforge.model.compiling import before_compile
 from lmforge.model.llama import Llama
 from lmforge.shards.loader import ShardSet, WindowLoader
 from lmforge.shards.writer import write_shards
@@ -76,6 +77,8 @@ class Ours:
         mcfg = ModelConfig(n_layer=LAYERS, n_head=HEADS, n_embd=WIDTH, seq_len=CONTEXT)
         self.model = Llama(mcfg, VOCAB)
         self.model.fused_loss = fused_loss
+        if compile_:
+            before_compile()  # as compile_step_model does
         self.step_model = torch.compile(self.model) if compile_ else self.model
         self.opt = build_optimizer(self.model, self.cfg, CPU.device)
         self.precision = Precision(precision, "cpu")

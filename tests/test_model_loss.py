@@ -1,11 +1,17 @@
 """The fused linear cross-entropy against the plain lm_head + cross_entropy path."""
 
 import math
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from lmforge.config import ModelConfig
+from lmforge.model.compiling import before_compile
 from lmforge.model.llama import Llama
 from lmforge.model.loss import (
     CHUNK_ELEMENTS,
@@ -15,6 +21,7 @@ from lmforge.model.loss import (
     default_chunk_tokens,
     linear_cross_entropy,
 )
+from lmforge.train.compiler import compile_support
 
 VOCAB = 97
 
@@ -148,3 +155,54 @@ def test_default_chunk_holds_at_least_min_tokens_and_the_budget():
     assert default_chunk_tokens(49152, "cpu") == MIN_CHUNK_TOKENS  # not 85 thin rows
     assert default_chunk_tokens(1 << 20, "cuda") == MIN_CHUNK_TOKENS  # a huge vocabulary
     assert default_chunk_tokens(8192, "mps") == default_chunk_tokens(8192, "cuda")
+
+
+def test_a_process_that_never_compiles_never_imports_dynamo():
+    """Building the model, a fused-loss forward and backward, and an optimizer-free
+    evaluation import no torch._dynamo / torch._inductor (1.4 s a process): evaluation
+    stages and the CLI never compile."""
+    code = textwrap.dedent("""
+        import sys, torch
+        from lmforge.config import ModelConfig
+        from lmforge.model.llama import Llama
+        from lmforge.train.loop import make_reproducible
+        make_reproducible(torch.device("cpu"))
+        model = Llama(ModelConfig(n_layer=1, n_head=2, n_embd=16, seq_len=8), 50)
+        x = torch.randint(0, 50, (2, 8))
+        model(x, x)[1].backward()
+        assert torch.are_deterministic_algorithms_enabled()
+        print(sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]", out
+
+
+@pytest.mark.skipif(compile_support(torch.device("cpu")) is not None,
+                    reason="torch.compile cannot build here")
+def test_under_compile_the_fused_loss_runs_eager_and_equals_the_eager_model():
+    """before_compile() (every compile site calls it) keeps the chunked loss out of the
+    graph: Dynamo skips it (runs it eager) instead of unrolling its loop over chunks."""
+    import torch._dynamo
+
+    model = make(3)
+    x = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(4))
+    eager = model(x, x)[1]
+    before_compile()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(x, x)
+    reasons = [str(b.reason) for b in explained.break_reasons]
+    assert any("disable()" in r and "_linear_cross_entropy" in r for r in reasons), reasons
+    compiled = torch.compile(model)(x, x)[1]
+    assert compiled.item() == pytest.approx(eager.item(), rel=1e-5)
+
+
+def test_every_compile_site_calls_before_compile():
+    """A torch.compile without before_compile() would trace the chunked loss's loop into
+    its graph and miss the deterministic-kernels flag: every file that compiles calls it."""
+    root = Path(__file__).resolve().parents[1]
+    sites = [p for d in ("src", "bench", "scripts", "stages") for p in (root / d).rglob("*.py")
+             if re.search(r"torch\.compile\(|\.compile\(\)", p.read_text(encoding="utf-8"))]
+    assert sites  # frozen.py, fsdp.py and the benches compile
+    assert [p.name for p in sites if "before_compile()" not in p.read_text(encoding="utf-8")
+            ] == []

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.errors import ConfigError
+from lmforge.model.compiling import before_compile
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BASE_DTYPES = (*DTYPES, "nf4")
@@ -314,6 +315,7 @@ def compile_step_model(step_model: nn.Module, model: nn.Module,
                        compute_dtype: torch.dtype | None) -> nn.Module:
     """``torch.compile(step_model)``, keeping only the stored frozen weights for backward
     where ``model``'s base is :func:`stored_apart` (:class:`StoredWeightsCompiled`)."""
+    before_compile()
     compiled = torch.compile(step_model)
     return StoredWeightsCompiled(compiled) if stored_apart(model, compute_dtype) else compiled
 

@@ -157,7 +157,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return gx, gw, None, None, None, None, None
 
 
-@torch.compiler.disable  # a Python loop over chunks: keep it out of compiled graphs
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          label_smoothing: float = 0.0, z_loss: float = 0.0,
                          chunk_tokens: int | None = None) -> torch.Tensor:
@@ -166,7 +165,28 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     ``x`` (..., C) hidden states, ``weight`` (V, C), ``targets`` (...) with -100 ignored.
     Equal to :func:`cross_entropy` of the full logits up to float rounding, gradients
     included. ``chunk_tokens`` defaults to :func:`default_chunk_tokens`, balanced.
+    Under ``torch.compile`` it runs eagerly once :func:`keep_out_of_compiled_graphs` ran.
     """
+    return _chunked(x, weight, targets, label_smoothing, z_loss, chunk_tokens)
+
+
+def keep_out_of_compiled_graphs() -> None:
+    """Run :func:`linear_cross_entropy` eagerly inside models that ``torch.compile``
+    traces: its Python loop over chunks would be unrolled into the graph. Every compile
+    site calls this first (``compile_step_model``, the benches).
+
+    Not a ``@torch.compiler.disable`` on the function: that imports ``torch._dynamo``
+    (1.4 s) in every process that imports the model, and most (evaluation, eager
+    training, the CLI) never compile. Traced code reads ``_chunked`` when it is traced.
+    """
+    global _chunked
+    if _chunked is _linear_cross_entropy:
+        _chunked = torch.compiler.disable(_linear_cross_entropy)
+
+
+def _linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          label_smoothing: float, z_loss: float,
+                          chunk_tokens: int | None) -> torch.Tensor:
     flat_x = x.reshape(-1, x.size(-1))
     flat_t = targets.reshape(-1)
     if chunk_tokens is None:
@@ -178,3 +198,6 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     grads = (grad_on and x.requires_grad, grad_on and weight.requires_grad)
     return _LinearCrossEntropy.apply(flat_x, weight, flat_t, float(label_smoothing),
                                      float(z_loss), int(chunk_tokens), grads)
+
+
+_chunked = _linear_cross_entropy  # keep_out_of_compiled_graphs swaps in a disabled copy

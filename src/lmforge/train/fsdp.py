@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lmforge.config import LoraConfig, ModelConfig
+from lmforge.model.compiling import before_compile
 from lmforge.model.llama import Llama, init_parameter, rope_tables_for
 from lmforge.model.lora import apply_lora, lora_modules, lora_settings
 from lmforge.train.distributed import DistEnv
@@ -56,6 +57,8 @@ def shard_model(model: Llama, env: DistEnv, bf16: bool, compile_blocks: bool = F
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if bf16 and env.device.type == "cuda" else MixedPrecisionPolicy())
+    if compile_blocks:
+        before_compile()
     for block in model.layers:
         if compile_blocks:
             block.compile()

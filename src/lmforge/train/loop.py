@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch._dynamo.exc import TorchDynamoException
 from torch.nn.parallel import DistributedDataParallel
 
 from lmforge.config import Params, section_name
@@ -198,6 +198,14 @@ def _open_run_dir(root: Path, fp: str, identity: dict[str, Any], max_steps: int,
     return directory
 
 
+def _is_compile_error(error: BaseException) -> bool:
+    """Whether ``error`` is torch.compile's (a ``TorchDynamoException``). Only a process
+    that compiled has ``torch._dynamo`` loaded; importing it to ask would cost 1.4 s in
+    every training process."""
+    exc = sys.modules.get("torch._dynamo.exc")
+    return exc is not None and isinstance(error, exc.TorchDynamoException)
+
+
 class Trainer:
     """One run's loop and its state: the step, the streaks the guards count, the models
     it steps (DDP- or compile-wrapped) and the log interval.
@@ -341,15 +349,15 @@ class Trainer:
                                      live.scaler, self.precision, live.loader,
                                      self.setup.accum, self.cfg.grad_clip, self.env,
                                      live.objective)
-        except TorchDynamoException as e:
-            if self.fallback is None:  # not the first compiled step
+        except Exception as e:
+            if self.fallback is None or not _is_compile_error(e):  # not the first compiled step
                 raise
             self._fall_back_to_eager(e)
             return None
         self.fallback = None
         return figures
 
-    def _fall_back_to_eager(self, error: TorchDynamoException) -> None:
+    def _fall_back_to_eager(self, error: Exception) -> None:
         """``compile: auto``: rewind the loader and RNG, and train eager from here."""
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         if self.cfg.compile is True:
@@ -486,7 +494,12 @@ def make_reproducible(device: torch.device) -> None:
     non-deterministic kernels (flash attention's backward has no deterministic twin).
     """
     if device.type == "cpu":
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        if "torch._inductor.config" in sys.modules:  # compiling: Inductor's copy too
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        else:
+            # That call would import torch._inductor and torch._dynamo (1.4 s) in runs
+            # that never compile; before_compile() sets Inductor's copy when one does.
+            torch._C._set_deterministic_algorithms(True, warn_only=True)
 
 
 # GradScaler halves its scale at each overflow; this many in a row (65536 -> 2^-14) means
