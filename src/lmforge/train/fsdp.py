@@ -11,6 +11,9 @@ optimizer state stay fp32. On CPU (gloo) everything is fp32, which is what the t
 A sharded checkpoint is a DCP directory, ``step-NNNNNN.dcp/``: each rank writes its own
 shards (``__<rank>_0.distcp``) and rank 0 the metadata. DCP can load it into another
 world size; the model's full weights are gathered only for export.
+
+FSDP and DCP are imported where they are used: every training and evaluation process
+imports this module, and ``torch.distributed.checkpoint`` alone takes 0.6 s to import.
 """
 
 from __future__ import annotations
@@ -25,17 +28,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lmforge.config import LoraConfig, ModelConfig
 from lmforge.model.compiling import before_compile
@@ -54,6 +48,9 @@ def ensure_process_group(env: DistEnv) -> None:
 
 def shard_model(model: Llama, env: DistEnv, bf16: bool, compile_blocks: bool = False) -> Llama:
     """``fully_shard`` each block, then the root, over all ranks (in place)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if bf16 and env.device.type == "cuda" else MixedPrecisionPolicy())
@@ -150,6 +147,8 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     A collective: every rank must call it.
     """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=opts)
 
@@ -206,6 +205,9 @@ class AsyncShardSaver:
     def save(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              commit: Callable[[], None] | None) -> None:
         """Commit the previous checkpoint, then start writing this one (every rank)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         self.finish()
         tmp = path.with_name(f".{path.name}.tmp")
         if dist.get_rank() == 0:
@@ -245,6 +247,9 @@ class AsyncShardSaver:
 
 def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load a DCP checkpoint into the sharded model and optimizer (any world size)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model_state, optim_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=str(path))
