@@ -60,6 +60,28 @@ def test_map_keeps_order_on_any_worker_count():
         assert list(LocalExecutor(workers).map(square, range(20))) == [x * x for x in range(20)]
 
 
+def sigterm_handler_here(_: int) -> str:
+    return repr(signal.getsignal(signal.SIGTERM))
+
+
+def test_pool_workers_die_on_sigterm_whatever_handler_this_process_has():
+    """A Python SIGTERM handler here (Ray's driver has one that raises SystemExit) must
+    not reach the forked workers: one terminated before it began would unwind a copy of
+    this process's stack (a pytest worker's, which then reported a failed test)."""
+    from lmforge.parallel import imap_ordered
+
+    def raising(signum, frame):
+        raise SystemExit(signum)
+
+    old = signal.signal(signal.SIGTERM, raising)
+    try:
+        seen = set(imap_ordered(sigterm_handler_here, range(4), num_workers=2))
+        assert signal.getsignal(signal.SIGTERM) is raising  # this process's, back
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert seen == {repr(signal.SIG_DFL)}
+
+
 def test_part_log_answers_only_the_same_task(tmp_path):
     log = PartLog(tmp_path)
     log.put(0, ("a", 1), {"n": 3})

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
+import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
@@ -48,9 +51,31 @@ def imap_ordered(
             return
         # fork is cheapest where available; spawn elsewhere (macOS, Windows).
         method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-        with mp.get_context(method).Pool(workers, maxtasksperchild=64) as pool:
+        with _workers_die_on_sigterm(), \
+                mp.get_context(method).Pool(workers, maxtasksperchild=64) as pool:
             for result in pool.imap(fn, items, chunksize=1):
                 yield result
                 bar.update()
     finally:
         bar.close()
+
+
+@contextlib.contextmanager
+def _workers_die_on_sigterm() -> Iterator[None]:
+    """SIGTERM at its default action while a pool lives, so forked workers inherit that.
+
+    A forked worker inherits this process's Python signal handlers. Ray's driver has one
+    that raises SystemExit: a worker that ``Pool.terminate()`` stops before it has begun
+    (all tasks done by the others; on a busy machine it had not run yet) then unwound a
+    copy of this process's own stack instead of dying. Only the main thread may set it.
+    """
+    handler = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or handler in (
+            signal.SIG_DFL, None):
+        yield
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, handler)
