@@ -350,7 +350,8 @@ class Trainer:
                                      self.setup.accum, self.cfg.grad_clip, self.env,
                                      live.objective)
         except Exception as e:
-            if self.fallback is None or not _is_compile_error(e):  # not the first compiled step
+            # Only a compile error, and only at the first compiled step, falls back.
+            if self.fallback is None or not _is_compile_error(e):
                 raise
             self._fall_back_to_eager(e)
             return None
