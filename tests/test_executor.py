@@ -220,3 +220,33 @@ def test_filter_killed_with_sigkill_resumes_with_the_same_bytes(ingested):
     assert tree(root / "filtered") == tree(root / "whole")
     for c in metrics["domains"].values():
         assert c["in"] == c["kept"] + sum(c["rejected"].values())
+
+
+def test_a_pool_generator_closed_from_another_thread_does_not_raise_there():
+    """imap_ordered's generator may be dropped by another thread; signal.signal only
+    works in the main thread, so restoring the handler there must not raise."""
+    import threading
+
+    from lmforge.parallel import imap_ordered
+
+    def raising(signum, frame):
+        raise SystemExit(signum)
+
+    old = signal.signal(signal.SIGTERM, raising)
+    try:
+        results = imap_ordered(square, range(8), num_workers=2)
+        assert next(results) == 0  # the pool is up, SIGTERM at its default action
+        errors: list[BaseException] = []
+
+        def close() -> None:
+            try:
+                results.close()
+            except BaseException as e:  # noqa: BLE001 (the test reports whatever it was)
+                errors.append(e)
+
+        closer = threading.Thread(target=close)
+        closer.start()
+        closer.join()
+        assert errors == []
+    finally:
+        signal.signal(signal.SIGTERM, old)

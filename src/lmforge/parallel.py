@@ -78,4 +78,6 @@ def _workers_die_on_sigterm() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, handler)
+        # A generator closed from another thread cannot set it there: SIG_DFL stays.
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGTERM, handler)
