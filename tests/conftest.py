@@ -1,11 +1,20 @@
-"""Fixtures shared across test modules."""
+"""Fixtures shared across test modules.
+
+MLflow is off in the suite unless a test turns it on (``LMFORGE_TRACKING``): its start-up
+costs seconds in every stage process, and only the tests that check what is tracked need
+it (they set ``LMFORGE_TRACKING=on``: demo_repo.stage_env(tracking=True),
+test_train_loop.tracked_env). ``LMFORGE_TRACKING=on pytest`` tracks in every test.
+"""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
 from filelock import FileLock
+
+os.environ.setdefault("LMFORGE_TRACKING", "off")
 
 
 @pytest.fixture(scope="session")

@@ -60,10 +60,13 @@ def tiny_params() -> dict:
     return params
 
 
-def stage_env() -> dict[str, str]:
+def stage_env(tracking: bool = False) -> dict[str, str]:
     """This environment for git, DVC and the stages: this venv first, no outer MLflow or
-    DVC experiment, a git identity, one torch thread."""
+    DVC experiment, a git identity, one torch thread; MLflow tracking on when asked (else
+    the suite's default, off: see conftest)."""
     e = dict(os.environ)
+    if tracking:
+        e["LMFORGE_TRACKING"] = "on"
     e["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{e.get('PATH', '')}"
     for name in ("MLFLOW_TRACKING_URI", "DVC_ROOT", "DVC_EXP_NAME"):
         e.pop(name, None)

@@ -27,6 +27,7 @@ def workspace(tmp_path, monkeypatch):
     """A repo root with params.yaml and the metrics a reproduced pipeline leaves."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("LMFORGE_TRACKING", "on")
     (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text(encoding="utf-8"))
     (tmp_path / "metrics").mkdir()
     # Domain d was repeated e times: it wrote e x its text.

@@ -30,19 +30,22 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def env() -> dict[str, str]:
+    """The stages' environment after the reproduction: MLflow off (nothing after
+    test_mlflow_run_has_curves_and_eval reads it; test_tracking_queue tracks experiments)."""
     return stage_env()
 
 
 @pytest.fixture(scope="module")
 def pipeline(demo_data_repo, tmp_path_factory, env) -> tuple[Path, str]:
-    """A temp git+DVC repo holding the pipeline, tiny params and a demo slice; reproduced.
+    """A temp git+DVC repo holding the pipeline, tiny params and a demo slice; reproduced,
+    every stage tracked in MLflow.
 
     The data stages ran in the session's template repo (conftest), copied here with
     their lock and cache; DVC's output is the template's and this repo's together.
     """
     template, data_out = demo_data_repo
     root = copy_repo(template, tmp_path_factory.mktemp("repo"))
-    out = run(["dvc", "repro"], root, env)
+    out = run(["dvc", "repro"], root, stage_env(tracking=True))
     run(["git", "add", "-A"], root, env)
     run(["git", "commit", "-qm", "repro"], root, env)
     return root, data_out + out

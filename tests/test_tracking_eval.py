@@ -68,6 +68,7 @@ def store(tmp_path, monkeypatch, empty_db) -> Path:
     """A temp repo root with its own sqlite store, as the working directory."""
     shutil.copy(empty_db, tmp_path / "mlflow.db")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("LMFORGE_TRACKING", "on")
     monkeypatch.delenv("DVC_EXP_NAME", raising=False)
     monkeypatch.setenv("DVC_ROOT", str(tmp_path))
     monkeypatch.chdir(tmp_path)
@@ -329,3 +330,67 @@ def test_open_eval_run_loads_params_when_none_given(store):
     params = client(store).get_run(run.run_id).data.params
     expected = yaml.safe_load((store / "params.yaml").read_text())["evaluate"]
     assert params["evaluate.max_new_tokens"] == str(expected["max_new_tokens"])
+
+
+@pytest.mark.parametrize("value", ["off", "OFF", "0", "false", "no", "disabled"])
+def test_tracking_is_off_only_when_asked(monkeypatch, capsys, value):
+    monkeypatch.setenv("LMFORGE_TRACKING", value)
+    assert not tracking.tracking_enabled()
+    for on in ("on", "1", "true", ""):
+        monkeypatch.setenv("LMFORGE_TRACKING", on)
+        assert tracking.tracking_enabled()
+    monkeypatch.delenv("LMFORGE_TRACKING")
+    assert tracking.tracking_enabled()
+    assert capsys.readouterr().err == ""
+
+
+def test_a_misspelt_switch_keeps_tracking_on_and_says_so(monkeypatch, capsys):
+    monkeypatch.setenv("LMFORGE_TRACKING", "of")
+    assert tracking.tracking_enabled()
+    assert capsys.readouterr().err == ("tracking: LMFORGE_TRACKING='of' is not on or off; "
+                                       "tracking stays on\n")
+
+
+def test_with_tracking_off_no_stage_writes_to_the_store(store, monkeypatch, capsys):
+    """A run tracked before, evaluated and scored with tracking off: the store is as the
+    training left it, and each stage says it did not log."""
+    from lmforge.evaluate import harness
+    from lmforge.mixture import report
+
+    run_id = train_run(store)
+    before = client(store).get_run(run_id)
+    monkeypatch.setenv("LMFORGE_TRACKING", "off")
+    train = telemetry.open_run(load_params(store / "params.yaml"), stage="sft")
+    assert isinstance(train, telemetry.NullRun) and train.run_id is None
+    log_to_mlflow(new_results(2.5), "samples", store / "models" / "final")
+    harness.log_to_mlflow({"models": {"base": {"model_dir": str(store / "models" / "final"),
+                                               "tasks": {"t": {"acc": 0.5}}}}}, "md")
+    report.log_to_mlflow(load_params(store / "params.yaml"), None)  # never looked at
+    after = client(store).get_run(run_id)
+    assert len(all_runs(store)) == 1
+    assert after.data.metrics == before.data.metrics and after.data.tags == before.data.tags
+    out = capsys.readouterr()
+    assert out.err == "sft: MLflow tracking is off (LMFORGE_TRACKING=off)\n"
+    assert out.out.splitlines() == [
+        "evaluate: MLflow tracking is off (LMFORGE_TRACKING=off); not logging",
+        "harness: MLflow tracking is off (LMFORGE_TRACKING=off); not logging",
+        "mix fit: MLflow tracking is off (LMFORGE_TRACKING=off); not logging"]
+
+
+def test_a_stage_with_tracking_off_never_imports_mlflow(tmp_path):
+    """The switch's point: MLflow's start-up (seconds) is not paid."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from lmforge.config import Params\n"
+            "from lmforge.evaluate.tracking import log_evaluation\n"
+            "from lmforge.train.telemetry import open_run\n"
+            "open_run(Params())\n"
+            "log_evaluation('evaluate', __import__('pathlib').Path('.'), print)\n"
+            "assert 'mlflow' not in sys.modules, 'mlflow imported'\n")
+    env = {**__import__("os").environ, "LMFORGE_TRACKING": "off"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "MLflow tracking is off" in proc.stderr and "not logging" in proc.stdout

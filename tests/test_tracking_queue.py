@@ -36,7 +36,7 @@ def queue_params() -> dict:
 
 @pytest.fixture(scope="module")
 def env() -> dict[str, str]:
-    return stage_env()
+    return stage_env(tracking=True)
 
 
 PRETRAINING = ("ingest", "filter", "dedup", "decontam", "mix", "tokenizer", "shards", "train",

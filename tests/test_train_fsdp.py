@@ -3,9 +3,11 @@ checkpoints that resume bit-identically after a SIGKILL, and 1/world of the byte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -16,7 +18,6 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from stores import seed_store
 from test_train_loop import stage_repo, start_ranks
 from test_train_loop import wait_ranks as wait
 
@@ -47,7 +48,7 @@ def losses(root: Path) -> list[float]:
 def straight(tmp_path_factory) -> Path:
     """An unbroken two-rank FSDP run: 10 steps, a checkpoint every 4."""
     root = fsdp_repo(tmp_path_factory.mktemp("straight"), "fsdp", ckpt_every=4)
-    out = wait(start_ranks(root, ["-m", "stages.train"], root.parent / "mlflow.db"))[0]
+    out = wait(start_ranks(root, ["-m", "stages.train"]))[0]
     assert "x2 (fsdp)" in out, out
     return root
 
@@ -71,7 +72,7 @@ def final_weights(root: Path) -> dict[str, torch.Tensor]:
 
 def test_fsdp_follows_the_ddp_trajectory(straight, tmp_path):
     ddp = fsdp_repo(tmp_path / "ddp", "ddp", ckpt_every=4)
-    wait(start_ranks(ddp, ["-m", "stages.train"], tmp_path / "mlflow.db"))
+    wait(start_ranks(ddp, ["-m", "stages.train"]))
     a, b = losses(ddp), losses(straight)
     assert len(a) == len(b) == 10
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
@@ -90,7 +91,7 @@ def test_activation_checkpointing_under_fsdp_changes_no_figure(straight, tmp_pat
     """Recomputing a sharded block in the backward gathers its weights again: the same
     losses and weights as the run that kept its activations."""
     root = fsdp_repo(tmp_path / "ac", "fsdp", ckpt_every=4, activation_checkpointing=True)
-    wait(start_ranks(root, ["-m", "stages.train"], tmp_path / "mlflow.db"))
+    wait(start_ranks(root, ["-m", "stages.train"]))
     a, b = losses(straight), losses(root)
     assert len(b) == 10
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5, (a, b)
@@ -113,6 +114,11 @@ def test_sigkilled_fsdp_run_resumes_bit_identical(straight, tmp_path):
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert losses(straight) == losses(killed)
+    # Rank 0 tracked it, and the resumed run went on in the killed one's MLflow run.
+    with contextlib.closing(sqlite3.connect(tmp_path / "mlflow.db")) as db:
+        tracked = db.execute("SELECT run_uuid, status FROM runs").fetchall()
+    run_id = json.loads((killed / "models" / "final" / "run.json").read_text())["mlflow_run_id"]
+    assert tracked == [(run_id, "FINISHED")]
     # keep_last 2 prunes a checkpoint's shards with it; the last one, consolidated in
     # one process (lmforge generate --model step-*.pt), is the exported model.
     assert sorted(f.name for f in run_dir.iterdir() if f.name.startswith("step-")) == [
@@ -128,13 +134,11 @@ def test_a_two_rank_fsdp_run_resumes_on_one_process(straight, tmp_path):
     """2 -> 1: DCP reshards; one process with twice the micro batch keeps the global
     batch, and the loader goes on at the same window, none skipped or repeated."""
     root = fsdp_repo(tmp_path / "resized", "fsdp", ckpt_every=4)
-    kill_after_checkpoint(root, start_ranks(root, ["-m", "stages.train"],
-                                            tmp_path / "mlflow.db"), 4)
+    kill_after_checkpoint(root, start_ranks(root, ["-m", "stages.train"]), 4)
     params = yaml.safe_load((root / "params.yaml").read_text(encoding="utf-8"))
     params["train"].update(nproc=1, micro_batch_size=8)
     (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
-    env = dict(os.environ, PYTHONPATH=str(REPO), DVC_ROOT=str(root),
-               MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    env = dict(os.environ, PYTHONPATH=str(REPO), DVC_ROOT=str(root))
     proc = subprocess.run([sys.executable, "-m", "stages.train"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -184,7 +188,7 @@ _BYTES = textwrap.dedent("""
 
 def test_each_rank_holds_half_the_parameter_and_optimizer_bytes_from_a_meta_build(tmp_path):
     (tmp_path / "bytes.py").write_text(_BYTES, encoding="utf-8")
-    outs = wait(start_ranks(tmp_path, ["bytes.py"], tmp_path / "mlflow.db"))
+    outs = wait(start_ranks(tmp_path, ["bytes.py"]))
     figures = [json.loads(next(ln for ln in out.splitlines() if ln.startswith("BYTES "))[6:])
                for out in outs]
     assert figures[0]["same_init"] is True  # built on meta, shard by shard: the eager values
@@ -397,17 +401,15 @@ def test_an_fsdp_run_stopped_by_an_error_keeps_its_last_checkpoint(tmp_path, wor
     root = fsdp_repo(tmp_path / "run", "fsdp", ckpt_every=2, max_steps=6, eval_every=0,
                      max_bad_steps=2, nproc=world)
     (root / "faulty.py").write_text(_FAULTY, encoding="utf-8")
-    mlflow_db = seed_store(tmp_path / "mlflow.db")
     if world == 1:
-        env = dict(os.environ, PYTHONPATH=str(REPO), DVC_ROOT=str(root), FAULT=fault,
-                   MLFLOW_TRACKING_URI=f"sqlite:///{mlflow_db}")
+        env = dict(os.environ, PYTHONPATH=str(REPO), DVC_ROOT=str(root), FAULT=fault)
         proc = subprocess.run([sys.executable, "faulty.py"], cwd=root, env=env,
                               capture_output=True, text=True, timeout=300)
         codes, outs = [proc.returncode], [proc.stdout + proc.stderr]
     else:
         os.environ["FAULT"] = fault  # start_ranks passes the environment on
         try:
-            procs = start_ranks(root, ["faulty.py"], mlflow_db)
+            procs = start_ranks(root, ["faulty.py"])
         finally:
             del os.environ["FAULT"]
         outs = [p.communicate(timeout=300)[0] for p in procs]
@@ -423,7 +425,7 @@ def test_an_fsdp_run_stopped_by_an_error_keeps_its_last_checkpoint(tmp_path, wor
     else:
         assert "a shard on a lost mount" in outs[0], outs[0]
 
-    again = (wait(start_ranks(root, ["-m", "stages.train"], mlflow_db)) if world == 2 else
+    again = (wait(start_ranks(root, ["-m", "stages.train"])) if world == 2 else
              [subprocess.run([sys.executable, "-m", "stages.train"], cwd=root, check=True,
                              env=dict(env, FAULT=""), capture_output=True, text=True,
                              timeout=300).stdout])

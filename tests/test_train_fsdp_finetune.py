@@ -78,8 +78,7 @@ def workdir(tmp_path_factory) -> Path:
 
 def run(workdir: Path, strategy: str, mode: str) -> tuple[dict, dict[str, torch.Tensor]]:
     out = workdir / f"{mode}-{strategy}"
-    outs = wait_ranks(start_ranks(workdir, ["run.py", strategy, mode, str(out)],
-                                  workdir / "mlflow.db"))
+    outs = wait_ranks(start_ranks(workdir, ["run.py", strategy, mode, str(out)]))
     assert f"x2 ({strategy})" in outs[0], outs[0]
     return (json.loads((out / "result.json").read_text()),
             torch.load(out / "final.pt", weights_only=True))

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from stores import seed_store
 from test_train_fsdp import REPO, final_weights, fsdp_repo, kill_after_checkpoint, losses
 from test_train_loop import start_ranks, wait_ranks
 
@@ -29,11 +28,9 @@ pytestmark = pytest.mark.slow
 CPU = torch.device("cpu")
 
 
-def one_process(root: Path, mlflow_db: Path) -> subprocess.Popen:
+def one_process(root: Path) -> subprocess.Popen:
     """``python -m stages.train`` in one process (no torchrun variables)."""
-    seed_store(mlflow_db)
-    env = dict(os.environ, PYTHONPATH=str(REPO), DVC_ROOT=str(root),
-               MLFLOW_TRACKING_URI=f"sqlite:///{mlflow_db}")
+    env = dict(os.environ, PYTHONPATH=str(REPO), DVC_ROOT=str(root))
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)
     return subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=root, env=env,
@@ -56,7 +53,7 @@ def single(tmp_path_factory) -> Path:
     """An unbroken one-process FSDP run with the global batch of two ranks x 4."""
     root = fsdp_repo(tmp_path_factory.mktemp("single"), "fsdp", ckpt_every=4)
     set_train(root, nproc=1, micro_batch_size=8)
-    wait_ranks([one_process(root, root.parent / "mlflow.db")])
+    wait_ranks([one_process(root)])
     return root
 
 
@@ -65,9 +62,9 @@ def test_a_one_process_fsdp_run_resumes_on_two_ranks(single, tmp_path):
     and the loader goes on at the same window, none skipped or repeated."""
     root = fsdp_repo(tmp_path / "resized", "fsdp", ckpt_every=4)
     set_train(root, nproc=1, micro_batch_size=8)
-    kill_after_checkpoint(root, [one_process(root, tmp_path / "mlflow.db")], 4)
+    kill_after_checkpoint(root, [one_process(root)], 4)
     set_train(root, nproc=2, micro_batch_size=4)
-    outs = wait_ranks(start_ranks(root, ["-m", "stages.train"], tmp_path / "mlflow.db"))
+    outs = wait_ranks(start_ranks(root, ["-m", "stages.train"]))
     assert "saved by 1 process, this run has 2" in outs[0], outs[0]
     assert "resuming from" in outs[0] and "x2 (fsdp)" in outs[0], outs[0]
     metrics = json.loads((root / "metrics" / "train.json").read_text())

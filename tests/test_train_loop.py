@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import json
@@ -10,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -361,11 +363,17 @@ def stage_repo(root: Path) -> Path:
     return root
 
 
+def tracked_env(mlflow_db: Path) -> dict[str, str]:
+    """The variables that make a training process track into ``mlflow_db`` (made empty
+    first unless it exists), whatever the suite's default (conftest: tracking off)."""
+    seed_store(mlflow_db)
+    return {"LMFORGE_TRACKING": "on", "MLFLOW_TRACKING_URI": f"sqlite:///{mlflow_db}"}
+
+
 def start_stage(root: Path) -> subprocess.Popen:
     # One MLflow store for all runs of the test: its schema is created once.
-    seed_store(root.parent / "mlflow.db")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)]),
-               DVC_ROOT=str(root), MLFLOW_TRACKING_URI=f"sqlite:///{root.parent / 'mlflow.db'}")
+               DVC_ROOT=str(root), **tracked_env(root.parent / "mlflow.db"))
     return subprocess.Popen([sys.executable, "runner.py"], cwd=root, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -452,10 +460,11 @@ def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path):
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
-def start_ranks(root: Path, argv: list[str], mlflow_db: Path) -> list[subprocess.Popen]:
+def start_ranks(root: Path, argv: list[str], mlflow_db: Path | None = None
+                ) -> list[subprocess.Popen]:
     """Start ``python argv`` as two gloo ranks, as torchrun would (its launcher would
-    only add start-up time)."""
-    seed_store(mlflow_db)
+    only add start-up time); rank 0 tracks into ``mlflow_db`` when one is given."""
+    tracking = {} if mlflow_db is None else tracked_env(mlflow_db)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -465,8 +474,7 @@ def start_ranks(root: Path, argv: list[str], mlflow_db: Path) -> list[subprocess
         path = os.pathsep.join([str(REPO / "src"), str(REPO)])
         env = dict(os.environ, PYTHONPATH=path, DVC_ROOT=str(root), RANK=str(rank),
                    LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   MLFLOW_TRACKING_URI=f"sqlite:///{mlflow_db}")
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **tracking)
         procs.append(subprocess.Popen([sys.executable, *argv], cwd=root, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
@@ -483,7 +491,7 @@ def wait_ranks(procs: list[subprocess.Popen]) -> list[str]:
     return outs
 
 
-def run_two_ranks(root: Path, module: str, mlflow_db: Path) -> list[str]:
+def run_two_ranks(root: Path, module: str, mlflow_db: Path | None = None) -> list[str]:
     """Run ``python -m module`` as two gloo ranks; return their output."""
     return wait_ranks(start_ranks(root, ["-m", module], mlflow_db))
 
@@ -499,7 +507,7 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path
     params["train"].update(nproc=2, micro_batch_size=4, max_steps=10, eval_every=0,
                            compile=compile_)
     (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
-    outs = run_two_ranks(root, "stages.train", tmp_path / "mlflow.db")
+    outs = run_two_ranks(root, "stages.train")
     if compile_ == "auto" and compile_support(torch.device("cpu")) is None:
         assert ", compiled" in outs[0], outs[0]  # torch.compile over DistributedDataParallel
     metrics = json.loads((root / "metrics" / "train.json").read_text())
@@ -786,6 +794,7 @@ def test_a_run_whose_outputs_cannot_be_written_ends_failed_in_mlflow(tmp_path, m
     paths = make_inputs(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("LMFORGE_TRACKING", "on")
 
     def full_disk(*_a, **_k):
         raise OSError("No space left on device")
@@ -889,3 +898,8 @@ def test_two_process_lora_fine_tuning_with_replay_runs_under_ddp(tmp_path):
     assert not torch.equal(merged["layers.0.attn.wq.weight"], before["layers.0.attn.wq.weight"])
     assert torch.equal(merged["layers.0.mlp.w1.weight"], before["layers.0.mlp.w1.weight"])
     assert (root / "models" / "sft" / "adapter" / "adapter.safetensors").is_file()
+    # Rank 0 tracked the fine-tuning in a run of its own, named after its stage.
+    run_id = json.loads((root / "models" / "sft" / "run.json").read_text())["mlflow_run_id"]
+    with contextlib.closing(sqlite3.connect(tmp_path / "mlflow.db")) as db:
+        tracked = db.execute("SELECT run_uuid, status, name FROM runs").fetchall()
+    assert [(r, s, n.endswith("-sft")) for r, s, n in tracked] == [(run_id, "FINISHED", True)]

@@ -259,7 +259,7 @@ def test_two_process_ddp_with_muon_matches_one_process_with_the_same_global_batc
     params["train"].update(nproc=2, micro_batch_size=4, max_steps=6, eval_every=0,
                            compile=False, optimizer="muon")
     (root / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
-    procs = start_ranks(root, ["-m", "stages.train"], tmp_path / "mlflow.db")
+    procs = start_ranks(root, ["-m", "stages.train"])
     outs = wait_ranks(procs)
     assert "x2 (ddp)" in outs[0]
     metrics = json.loads((root / "metrics" / "train.json").read_text())

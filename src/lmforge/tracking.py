@@ -3,7 +3,9 @@
 The store is local by default, ``sqlite:///<repo>/mlflow.db`` (the repo root taken from
 ``DVC_ROOT`` when DVC runs us, so queued experiments in temp dirs log to the same store);
 ``MLFLOW_TRACKING_URI`` overrides it. One MLflow run per training run, named after
-``DVC_EXP_NAME`` when DVC sets it, tagged with the git revision.
+``DVC_EXP_NAME`` when DVC sets it, tagged with the git revision. ``LMFORGE_TRACKING=off``
+turns tracking off for a process and what it starts (``tracking_enabled``), as
+``WANDB_MODE=disabled`` does for W&B: a smoke run, a test, a job whose runs nobody reads.
 
 For MLflow 3's UI the ``lmforge`` experiment is marked as model training (not a GenAI
 app) and carries a saved view, "Training", whose charts start with the training curves;
@@ -50,6 +52,25 @@ _MODEL_METRICS = "Model metrics"  # the UI's name for the unprefixed metrics' se
 # MLflow caps a batch at 1000 metrics; flushing every few hundred keeps calls rare.
 _FLUSH_AT = 500
 _FLUSH_SECONDS = 30.0
+TRACKING_ENV = "LMFORGE_TRACKING"
+_OFF = frozenset({"off", "0", "false", "no", "disabled"})
+_ON = frozenset({"", "on", "1", "true", "yes", "enabled"})
+
+
+def tracking_enabled() -> bool:
+    """False when ``LMFORGE_TRACKING`` is ``off`` (or 0, false, no, disabled): then no
+    stage opens an MLflow run, and MLflow (seconds of start-up) is never imported.
+
+    Any other value than those and on/1/true/yes/enabled is named on stderr, and
+    tracking stays on: a typo must not lose a run's record.
+    """
+    value = os.environ.get(TRACKING_ENV, "").strip().lower()
+    if value in _OFF:
+        return False
+    if value not in _ON:
+        print(f"tracking: {TRACKING_ENV}={os.environ[TRACKING_ENV]!r} is not on or off; "
+              "tracking stays on", file=sys.stderr)
+    return True
 
 
 def tracking_uri(root: str | os.PathLike | None = None) -> str:

@@ -347,8 +347,19 @@ def log_to_mlflow(result: dict[str, Any], markdown: str) -> None:
     """
     from lmforge.config import Params, load_params
     from lmforge.stage import repo_root
-    from lmforge.tracking import find_run, recorded_run_id, resume_run, start_run, ui_path
+    from lmforge.tracking import (
+        TRACKING_ENV,
+        find_run,
+        recorded_run_id,
+        resume_run,
+        start_run,
+        tracking_enabled,
+        ui_path,
+    )
 
+    if not tracking_enabled():
+        print(f"harness: MLflow tracking is off ({TRACKING_ENV}=off); not logging")
+        return
     root = repo_root()
     report = {"result": result, "markdown": markdown}
     orphans: dict[str, Any] = {}

@@ -51,7 +51,8 @@ def format_duration(seconds: float) -> str:
 
 
 class NullRun:
-    """Stands in for an MLflow run when tracking is off (tests, ranks other than 0)."""
+    """Stands in for an MLflow run when tracking is off (``LMFORGE_TRACKING=off``, an
+    unreachable store, ranks other than 0)."""
 
     run_id: str | None = None
 
@@ -103,6 +104,11 @@ def open_run(params: Params, run_id: str | None = None, stage: str = "train") ->
     A run of another stage than ``train`` (``sft``) is named ``<experiment>-<stage>`` and
     tagged ``lmforge.stage``, so the UI tells a fine-tuning run from its base model's.
     """
+    from lmforge.tracking import TRACKING_ENV, tracking_enabled
+
+    if not tracking_enabled():
+        print(f"{stage}: MLflow tracking is off ({TRACKING_ENV}=off)", file=sys.stderr)
+        return NullRun()
     try:
         from lmforge.tracking import resume_run, start_run
 
