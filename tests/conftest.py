@@ -4,6 +4,11 @@ MLflow is off in the suite unless a test turns it on (``LMFORGE_TRACKING``): its
 costs seconds in every stage process, and only the tests that check what is tracked need
 it (they set ``LMFORGE_TRACKING=on``: demo_repo.stage_env(tracking=True),
 test_train_loop.tracked_env). ``LMFORGE_TRACKING=on pytest`` tracks in every test.
+
+One OpenMP thread per process unless set otherwise: ``make test`` runs a pytest worker per
+core, so a second intra-op thread in each only oversubscribes the cores, and its spin-waits
+cost CPU the other worker needs (the in-process tests took 10-17 % longer with two).
+A test that needs two threads sets them (``train.num_threads``: torch.set_num_threads).
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ import pytest
 from filelock import FileLock
 
 os.environ.setdefault("LMFORGE_TRACKING", "off")
+# Before torch is imported (libgomp reads it once); the stages the tests start inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import gzip
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from demo_repo import DATA_STAGES, copy_repo
 
 from lmforge.config import Params, load_params, yaml_keys
 
@@ -304,13 +303,8 @@ def test_params_yaml_lists_every_key():
 
 # --------------------------------------------------------------------------- with DVC
 
-DEMO = REPO / "data" / "raw" / "demo"
-DOCS_PER_DOMAIN = 20
 # The stages run for real below: the data stages and the tokenizer, seconds on a slice.
-TOUCH_STAGES = ("ingest", "filter", "dedup", "decontam", "mix", "tokenizer", "shards")
-# The evaluation sets the decontam stage reads (dvc.yaml deps under data/).
-EVAL_SETS = ("data/tasks/demo", "data/instructions/demo/test.jsonl.gz",
-             "data/instructions/demo/test_mc.jsonl.gz", "data/preferences/demo/test.jsonl.gz")
+TOUCH_STAGES = DATA_STAGES
 
 
 def dvc(root: Path, *args: str) -> str:
@@ -336,40 +330,13 @@ def set_param(root: Path, section: str, key: str, value: object) -> None:
 
 
 @pytest.fixture(scope="module")
-def data_pipeline(tmp_path_factory) -> Path:
-    """A git+DVC repo with this dvc.yaml's data and tokenizer stages, reproduced on a slice."""
-    root = tmp_path_factory.mktemp("deps")
-    for name in ("stages", "src"):
-        shutil.copytree(REPO / name, root / name,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    for name in (".dvcignore", ".gitignore"):
-        shutil.copy(REPO / name, root / name)
-    pipeline = yaml.safe_load((REPO / "dvc.yaml").read_text(encoding="utf-8"))
-    pipeline = {"stages": {n: pipeline["stages"][n] for n in TOUCH_STAGES}}
+def data_pipeline(demo_data_repo, tmp_path_factory) -> Path:
+    """A git+DVC repo with this dvc.yaml's data and tokenizer stages, reproduced on a
+    slice: a copy of the session's demo repo (conftest), with those stages only."""
+    root = copy_repo(demo_data_repo[0], tmp_path_factory.mktemp("deps"))
+    pipeline = yaml.safe_load((root / "dvc.yaml").read_text(encoding="utf-8"))
+    pipeline["stages"] = {n: s for n, s in pipeline["stages"].items() if n in TOUCH_STAGES}
     (root / "dvc.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False), encoding="utf-8")
-    for domain_dir in sorted(p for p in DEMO.iterdir() if p.is_dir()):
-        first = sorted(domain_dir.glob("*.jsonl.gz"))[0]
-        with gzip.open(first, "rt", encoding="utf-8") as f:
-            lines = [line for _, line in zip(range(DOCS_PER_DOMAIN), f, strict=False)]
-        out = root / "data" / "raw" / "demo" / domain_dir.name / first.name
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with gzip.open(out, "wt", encoding="utf-8") as f:
-            f.writelines(lines)
-    for dep in EVAL_SETS:
-        (root / dep).parent.mkdir(parents=True, exist_ok=True)
-        copy = shutil.copytree if (REPO / dep).is_dir() else shutil.copy
-        copy(REPO / dep, root / dep)
-    shutil.copy(REPO / "params.yaml", root / "params.yaml")
-    set_param(root, "ingest", "num_workers", 1)
-    set_param(root, "tokenizer", "vocab_size", 2000)
-    set_param(root, "tokenizer", "sample_chars", 200_000)
-    set_param(root, "tokenizer", "character_coverage", 0.98)
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
-    dvc(root, "init", "-q")
-    subprocess.run([*git, "add", "-A"], cwd=root, check=True)
-    subprocess.run([*git, "commit", "-qm", "init"], cwd=root, check=True)
-    dvc(root, "repro")
     assert changed_stages(root) == {}
     return root
 
