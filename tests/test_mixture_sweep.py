@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -439,3 +441,47 @@ def test_dvc_failure_names_stderr_after_a_table_on_stdout(tmp_path, monkeypatch)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     with pytest.raises(LmforgeError, match=r"Running / ERROR: unexpected error - Extra data"):
         exps.dvc("queue", "status")
+
+
+def test_the_queue_is_polled_again_as_soon_as_dvcs_queue_files_change(tmp_path, monkeypatch):
+    """An experiment ending writes Celery's task result: the wait asks `dvc queue status`
+    then, not a whole poll interval (here 10 minutes) later."""
+    from lmforge import experiments as exps
+
+    monkeypatch.chdir(tmp_path)
+    results = tmp_path / ".dvc" / "tmp" / "exps" / "celery" / "result"
+    results.mkdir(parents=True)
+    running = "46efa32  p-00   12:06 PM   Running\n"
+    polls: list[float] = []
+
+    def fake_dvc(*args):
+        polls.append(time.monotonic())
+        return running if len(polls) == 1 else "46efa32  p-00   12:06 PM   Success\n"
+
+    def finish():  # the queue's worker, a moment later
+        time.sleep(1.0)
+        (results / "celery-task-meta-1").write_text("{}")
+
+    monkeypatch.setattr(exps, "dvc", fake_dvc)
+    seen: list[int] = []
+    worker = threading.Thread(target=finish)
+    start = time.monotonic()
+    worker.start()
+    exps.wait_for_queue(poll=600.0, report=seen.append)
+    worker.join()
+    assert seen == [1] and len(polls) == 2
+    assert polls[1] - start < 60  # woken by the file, not by the 600 s poll
+
+
+def test_waiting_for_a_queue_change_times_out_when_nothing_changes(tmp_path):
+    from lmforge.experiments import queue_fingerprint, wait_for_queue_change
+
+    run_dir = tmp_path / ".dvc" / "tmp" / "exps" / "run" / "abc"
+    run_dir.mkdir(parents=True)
+    (run_dir / "abc.run").write_text('{"status": 1}')
+    before = queue_fingerprint(tmp_path)
+    wait_for_queue_change(0.2, tmp_path, tick=0.05)  # returns: nothing changed, time is up
+    assert queue_fingerprint(tmp_path) == before and len(before) == 2  # the folder, the file
+    (run_dir / "abc.run").write_text('{"status": 2, "done": 1}')
+    assert queue_fingerprint(tmp_path) != before
+    assert queue_fingerprint(tmp_path / "elsewhere") == ()  # no queue: nothing to see

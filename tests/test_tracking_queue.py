@@ -18,6 +18,8 @@ import pytest
 import yaml
 from demo_repo import REPO, copy_repo, run, stage_env, tiny_params
 
+from lmforge.experiments import wait_for_queue_change
+
 pytestmark = pytest.mark.slow
 
 STEPS = 12
@@ -78,8 +80,8 @@ def wait_for_queue(root: Path, env: dict[str, str], names: list[str]) -> dict[st
         if time.monotonic() > deadline:
             pytest.fail(f"queue still busy after {QUEUE_TIMEOUT_S}s:\n{out}")
         # Each poll is a DVC process (~1.5 s of CPU): on a small machine a tight poll
-        # slows the experiments it waits for.
-        time.sleep(10)
+        # slows the experiments it waits for. Polled again when DVC's queue files change.
+        wait_for_queue_change(10, root)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from lmforge.errors import LmforgeError
@@ -77,13 +78,48 @@ def busy_experiments(tries: int = 3, pause: float = 2.0) -> list[str]:
 
 def wait_for_queue(poll: float = 10.0, report: Callable[[int], None] | None = None) -> None:
     """Until no experiment is queued or running (``dvc queue start`` returns at once);
-    ``report(n)`` is told how many still are, whenever that changes."""
+    ``report(n)`` is told how many still are, whenever that changes.
+
+    ``dvc queue status`` costs a second or two of CPU, so it is asked every ``poll``
+    seconds, and at once when DVC's queue files change (``wait_for_queue_change``): the
+    end of the last experiment is seen within a second, not up to ``poll`` later.
+    """
     last = None
     while busy := busy_experiments():
         if report is not None and len(busy) != last:
             report(len(busy))
         last = len(busy)
-        time.sleep(poll)
+        wait_for_queue_change(poll)
+
+
+# Where DVC's queue writes as experiments start and end: each executor's info file
+# (run/<rev>/<rev>.run, rewritten at every change of state) and Celery's task results
+# (celery/result/, one file per finished task). DVC internals: if they move, the
+# fingerprint stays constant and waiting falls back to the timeout alone.
+_QUEUE_FILES = (Path(".dvc/tmp/exps/run"), Path(".dvc/tmp/exps/celery/result"))
+
+
+def queue_fingerprint(repo: Path = Path(".")) -> tuple[tuple[str, int, int], ...]:
+    """The state of DVC's queue files under ``repo``: (path, mtime, size) of each; a
+    microsecond's read, where ``dvc queue status`` is a process."""
+    entries = []
+    for folder in _QUEUE_FILES:
+        with contextlib.suppress(OSError):
+            for path in (repo / folder).rglob("*"):
+                with contextlib.suppress(OSError):  # removed while we looked
+                    stat = path.stat()
+                    entries.append((str(path), stat.st_mtime_ns, stat.st_size))
+    return tuple(sorted(entries))
+
+
+def wait_for_queue_change(timeout: float, repo: Path = Path("."), tick: float = 0.5) -> None:
+    """Sleep until DVC's queue files under ``repo`` change, or ``timeout`` seconds pass."""
+    seen = queue_fingerprint(repo)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(min(tick, max(0.0, deadline - time.monotonic())))
+        if queue_fingerprint(repo) != seen:
+            return
 
 
 def experiments() -> dict[str, dict[str, Any]]:
