@@ -362,6 +362,11 @@ def test_with_tracking_off_no_stage_writes_to_the_store(store, monkeypatch, caps
     monkeypatch.setenv("LMFORGE_TRACKING", "off")
     train = telemetry.open_run(load_params(store / "params.yaml"), stage="sft")
     assert isinstance(train, telemetry.NullRun) and train.run_id is None
+    # A tracked run resumed untracked keeps its run's id (checkpoints, run.json) for a
+    # later tracked resume, and leaves the run as it was, even when the stage fails.
+    resumed = telemetry.open_run(load_params(store / "params.yaml"), run_id, stage="sft")
+    assert isinstance(resumed, telemetry.NullRun) and resumed.run_id == run_id
+    tracking.end_run(run_id, "FAILED", store)
     log_to_mlflow(new_results(2.5), "samples", store / "models" / "final")
     harness.log_to_mlflow({"models": {"base": {"model_dir": str(store / "models" / "final"),
                                                "tasks": {"t": {"acc": 0.5}}}}}, "md")
@@ -369,8 +374,9 @@ def test_with_tracking_off_no_stage_writes_to_the_store(store, monkeypatch, caps
     after = client(store).get_run(run_id)
     assert len(all_runs(store)) == 1
     assert after.data.metrics == before.data.metrics and after.data.tags == before.data.tags
+    assert after.info.status == "FINISHED"
     out = capsys.readouterr()
-    assert out.err == "sft: MLflow tracking is off (LMFORGE_TRACKING=off)\n"
+    assert out.err == "sft: MLflow tracking is off (LMFORGE_TRACKING=off)\n" * 2
     assert out.out.splitlines() == [
         "evaluate: MLflow tracking is off (LMFORGE_TRACKING=off); not logging",
         "harness: MLflow tracking is off (LMFORGE_TRACKING=off); not logging",

@@ -307,12 +307,13 @@ def resume_run(run_id: str, root: str | os.PathLike | None = None) -> Run:
 
 def end_run(run_id: str | None, status: str = "FAILED",
             root: str | os.PathLike | None = None) -> None:
-    """Set a closed run's final status after the fact; never raises.
+    """Set a closed run's final status after the fact; never raises, and does nothing
+    with tracking off.
 
     For work after the training loop closed its run (writing models/final): if that
     fails, the run must not stay FINISHED while the stage failed.
     """
-    if not run_id:
+    if not run_id or not tracking_enabled():
         return
     try:
         _client(root).set_terminated(run_id, status=status)

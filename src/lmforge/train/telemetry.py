@@ -52,9 +52,12 @@ def format_duration(seconds: float) -> str:
 
 class NullRun:
     """Stands in for an MLflow run when tracking is off (``LMFORGE_TRACKING=off``, an
-    unreachable store, ranks other than 0)."""
+    unreachable store, ranks other than 0). ``run_id``: the run a resumed run was
+    tracked in before, kept for its checkpoints and run.json, so that a later tracked
+    resume goes on in it."""
 
-    run_id: str | None = None
+    def __init__(self, run_id: str | None = None) -> None:
+        self.run_id = run_id
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         pass
@@ -108,7 +111,7 @@ def open_run(params: Params, run_id: str | None = None, stage: str = "train") ->
 
     if not tracking_enabled():
         print(f"{stage}: MLflow tracking is off ({TRACKING_ENV}=off)", file=sys.stderr)
-        return NullRun()
+        return NullRun(run_id)
     try:
         from lmforge.tracking import resume_run, start_run
 
