@@ -73,6 +73,15 @@ def tracking_enabled() -> bool:
     return True
 
 
+def tracking_off(stage: str) -> bool:
+    """True, after one line saying so, when ``LMFORGE_TRACKING`` turns tracking off: the
+    check of a stage about to log its results."""
+    if tracking_enabled():
+        return False
+    print(f"{stage}: MLflow tracking is off ({TRACKING_ENV}=off); not logging")
+    return True
+
+
 def tracking_uri(root: str | os.PathLike | None = None) -> str:
     """``MLFLOW_TRACKING_URI`` if set, else the sqlite store at the repo root."""
     uri = os.environ.get("MLFLOW_TRACKING_URI")

@@ -348,17 +348,15 @@ def log_to_mlflow(result: dict[str, Any], markdown: str) -> None:
     from lmforge.config import Params, load_params
     from lmforge.stage import repo_root
     from lmforge.tracking import (
-        TRACKING_ENV,
         find_run,
         recorded_run_id,
         resume_run,
         start_run,
-        tracking_enabled,
+        tracking_off,
         ui_path,
     )
 
-    if not tracking_enabled():
-        print(f"harness: MLflow tracking is off ({TRACKING_ENV}=off); not logging")
+    if tracking_off("harness"):
         return
     root = repo_root()
     report = {"result": result, "markdown": markdown}

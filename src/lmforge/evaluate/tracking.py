@@ -23,14 +23,13 @@ from lmforge.tracking import (
     EVAL_DOMAIN_PREFIX,
     EVALUATED_TAG,
     PARENT_TAG,
-    TRACKING_ENV,
     TRAIN_RUN_TAG,
     Run,
     find_run,
     recorded_run_id,
     resume_run,
     start_run,
-    tracking_enabled,
+    tracking_off,
     ui_path,
 )
 
@@ -61,8 +60,7 @@ def log_evaluation(stage: str, model_dir: Path, log: Callable[[Run], None],
     tagged evaluated only once ``log`` has succeeded; an error while logging ends the
     run FAILED and is re-raised. ``params`` default to ./params.yaml.
     """
-    if not tracking_enabled():
-        print(f"{stage}: MLflow tracking is off ({TRACKING_ENV}=off); not logging")
+    if tracking_off(stage):
         return
     run_id = recorded_run_id(model_dir)
     if not run_id:

@@ -221,10 +221,9 @@ def write_outputs(report: FitReport, proxies: Proxies, cfg: MixSweepConfig,
 
 def log_to_mlflow(params: Params, report: FitReport) -> None:
     """A run ``<name>-fit``: the figures, the recommendation and the files."""
-    from lmforge.tracking import TRACKING_ENV, start_run, tracking_enabled
+    from lmforge.tracking import start_run, tracking_off
 
-    if not tracking_enabled():
-        print(f"mix fit: MLflow tracking is off ({TRACKING_ENV}=off); not logging")
+    if tracking_off("mix fit"):
         return
     with start_run(params, run_name=f"{params.mix_sweep.name}-fit",
                    tags={"lmforge.stage": "mix_fit"}) as run:
