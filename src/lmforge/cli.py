@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from lmforge.chat import add_chat_parser
-from lmforge.data.filter_cli import add_filter_parser
 from lmforge.errors import InputError, LmforgeError
-from lmforge.evaluate.harness_cli import add_eval_parser
-from lmforge.export import add_export_parser, add_import_parser
-from lmforge.export.gguf import add_gguf_parser
-from lmforge.mixture.cli import add_mix_parser
-from lmforge.shards.inspect import add_inspect_parser
-from lmforge.train.checkpoints_cli import add_checkpoints_parser
-from lmforge.train.cli import add_train_parser
-from lmforge.train.plan import add_plan_parser
+
+# Each command's parser is built by its own module, and most of those import torch
+# (2-3 s). Only the command given is imported, so `lmforge mix fit` or `lmforge filter
+# report` start in well under a second; `lmforge --help` builds them all to list them.
+# name -> "module:function", the function adding the command's parser to the subparsers.
+COMMANDS: dict[str, str] = {
+    "chat": "lmforge.chat:add_chat_parser",
+    "export": "lmforge.cli:_add_export_parsers",
+    "import": "lmforge.export.hf:add_import_parser",
+    "inspect": "lmforge.shards.inspect:add_inspect_parser",
+    "train": "lmforge.train.cli:add_train_parser",
+    "checkpoints": "lmforge.train.checkpoints_cli:add_checkpoints_parser",
+    "filter": "lmforge.data.filter_cli:add_filter_parser",
+    "eval": "lmforge.evaluate.harness_cli:add_eval_parser",
+    "plan": "lmforge.train.plan:add_plan_parser",
+    "mix": "lmforge.mixture.cli:add_mix_parser",
+}
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -66,10 +75,15 @@ def cmd_generate(args: argparse.Namespace) -> None:
         sys.stdout.write(tokenizer.decode(out)[len(printed):] + "\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lmforge", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_export_parsers(sub: argparse._SubParsersAction) -> None:
+    """``lmforge export hf|gguf``: the formats share one ``export`` command."""
+    from lmforge.export.gguf import add_gguf_parser
+    from lmforge.export.hf import add_export_parser
 
+    add_gguf_parser(add_export_parser(sub))
+
+
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="generate text from a trained model")
     g.add_argument("prompt", nargs="*", help="prompt text (several allowed)")
     g.add_argument("--model", default="models/final",
@@ -86,22 +100,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None)
     g.set_defaults(func=cmd_generate)
 
-    add_chat_parser(sub)
-    add_gguf_parser(add_export_parser(sub))
-    add_import_parser(sub)
-    add_inspect_parser(sub)
-    add_train_parser(sub)
-    add_checkpoints_parser(sub)
-    add_filter_parser(sub)
-    add_eval_parser(sub)
-    add_plan_parser(sub)
-    add_mix_parser(sub)
+
+def _command_adder(name: str) -> Callable[[argparse._SubParsersAction], object]:
+    module, _, function = COMMANDS[name].partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``lmforge`` parser: every command's, or only that of the command ``argv`` names."""
+    parser = argparse.ArgumentParser(prog="lmforge", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    first = argv[0] if argv else None
+    _add_generate_parser(sub)
+    if first in COMMANDS:
+        _command_adder(first)(sub)
+    elif first != "generate":  # --help, no command or a misspelt one: list them all
+        for name in COMMANDS:
+            _command_adder(name)(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``lmforge`` console script."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         args.func(args)
     except LmforgeError as e:
