@@ -473,6 +473,28 @@ def test_the_queue_is_polled_again_as_soon_as_dvcs_queue_files_change(tmp_path, 
     assert polls[1] - start < 60  # woken by the file, not by the 600 s poll
 
 
+def test_an_experiment_ending_while_the_queue_is_asked_is_not_missed(tmp_path, monkeypatch):
+    """The result file is written while `dvc queue status` runs (it takes seconds) and
+    that status still said Running: the change counts, the next poll comes at once."""
+    from lmforge import experiments as exps
+
+    monkeypatch.chdir(tmp_path)
+    results = tmp_path / ".dvc" / "tmp" / "exps" / "celery" / "result"
+    results.mkdir(parents=True)
+    polls: list[float] = []
+
+    def fake_dvc(*args):
+        polls.append(time.monotonic())
+        if len(polls) == 1:
+            (results / "celery-task-meta-1").write_text("{}")  # ends as the table prints
+            return "46efa32  p-00   12:06 PM   Running\n"
+        return "46efa32  p-00   12:06 PM   Success\n"
+
+    monkeypatch.setattr(exps, "dvc", fake_dvc)
+    exps.wait_for_queue(poll=30.0)
+    assert len(polls) == 2 and polls[1] - polls[0] < 10  # not the 30 s poll
+
+
 def test_waiting_for_a_queue_change_times_out_when_nothing_changes(tmp_path):
     from lmforge.experiments import queue_fingerprint, wait_for_queue_change
 
@@ -482,6 +504,11 @@ def test_waiting_for_a_queue_change_times_out_when_nothing_changes(tmp_path):
     before = queue_fingerprint(tmp_path)
     wait_for_queue_change(0.2, tmp_path, tick=0.05)  # returns: nothing changed, time is up
     assert queue_fingerprint(tmp_path) == before and len(before) == 2  # the folder, the file
+    (run_dir / "abc.out").write_text("Running stage 'train':\n")  # the experiment's log
+    before = queue_fingerprint(tmp_path)  # (the folder's mtime may move as the log appears)
+    with (run_dir / "abc.out").open("a") as log:
+        log.write("step 1 loss 5.0\n")
+    assert queue_fingerprint(tmp_path) == before
     (run_dir / "abc.run").write_text('{"status": 2, "done": 1}')
     assert queue_fingerprint(tmp_path) != before
     assert queue_fingerprint(tmp_path / "elsewhere") == ()  # no queue: nothing to see

@@ -85,18 +85,26 @@ def wait_for_queue(poll: float = 10.0, report: Callable[[int], None] | None = No
     end of the last experiment is seen within a second, not up to ``poll`` later.
     """
     last = None
-    while busy := busy_experiments():
+    while True:
+        # Before asking: an experiment ending while `dvc queue status` runs (seconds)
+        # is then a change still to see, not one already taken as the state waited on.
+        seen = queue_fingerprint()
+        if not (busy := busy_experiments()):
+            return
         if report is not None and len(busy) != last:
             report(len(busy))
         last = len(busy)
-        wait_for_queue_change(poll)
+        wait_for_queue_change(poll, since=seen)
 
 
 # Where DVC's queue writes as experiments start and end: each executor's info file
 # (run/<rev>/<rev>.run, rewritten at every change of state) and Celery's task results
-# (celery/result/, one file per finished task). DVC internals: if they move, the
-# fingerprint stays constant and waiting falls back to the timeout alone.
+# (celery/result/, one file per finished task). Not the experiments' logs beside the info
+# files (run/<rev>/*.out): they grow with every line a stage prints, and each wake-up
+# costs a `dvc queue status`. DVC internals: if they move, the fingerprint stays
+# constant and waiting falls back to the timeout alone.
 _QUEUE_FILES = (Path(".dvc/tmp/exps/run"), Path(".dvc/tmp/exps/celery/result"))
+_QUEUE_LOGS = ".out"
 
 
 def queue_fingerprint(repo: Path = Path(".")) -> tuple[tuple[str, int, int], ...]:
@@ -106,15 +114,19 @@ def queue_fingerprint(repo: Path = Path(".")) -> tuple[tuple[str, int, int], ...
     for folder in _QUEUE_FILES:
         with contextlib.suppress(OSError):
             for path in (repo / folder).rglob("*"):
+                if path.suffix == _QUEUE_LOGS:
+                    continue
                 with contextlib.suppress(OSError):  # removed while we looked
                     stat = path.stat()
                     entries.append((str(path), stat.st_mtime_ns, stat.st_size))
     return tuple(sorted(entries))
 
 
-def wait_for_queue_change(timeout: float, repo: Path = Path("."), tick: float = 0.5) -> None:
-    """Sleep until DVC's queue files under ``repo`` change, or ``timeout`` seconds pass."""
-    seen = queue_fingerprint(repo)
+def wait_for_queue_change(timeout: float, repo: Path = Path("."), tick: float = 0.5,
+                          since: tuple[tuple[str, int, int], ...] | None = None) -> None:
+    """Sleep until DVC's queue files under ``repo`` differ from ``since`` (by default,
+    from what they are now), or ``timeout`` seconds pass."""
+    seen = queue_fingerprint(repo) if since is None else since
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         time.sleep(min(tick, max(0.0, deadline - time.monotonic())))
