@@ -18,7 +18,7 @@ import pytest
 import yaml
 from demo_repo import REPO, copy_repo, run, stage_env, tiny_params
 
-from lmforge.experiments import wait_for_queue_change
+from lmforge.experiments import queue_fingerprint, wait_for_queue_change
 
 pytestmark = pytest.mark.slow
 
@@ -69,6 +69,7 @@ def wait_for_queue(root: Path, env: dict[str, str], names: list[str]) -> dict[st
     """Poll `dvc queue status` until every experiment has left Queued/Running."""
     deadline = time.monotonic() + QUEUE_TIMEOUT_S
     while True:
+        seen = queue_fingerprint(root)  # an experiment ending during the status is a change
         out = run(["dvc", "queue", "status"], root, env)
         status = {}
         for line in out.splitlines():  # Task  Name  Created  Status
@@ -81,7 +82,7 @@ def wait_for_queue(root: Path, env: dict[str, str], names: list[str]) -> dict[st
             pytest.fail(f"queue still busy after {QUEUE_TIMEOUT_S}s:\n{out}")
         # Each poll is a DVC process (~1.5 s of CPU): on a small machine a tight poll
         # slows the experiments it waits for. Polled again when DVC's queue files change.
-        wait_for_queue_change(10, root)
+        wait_for_queue_change(10, root, since=seen)
 
 
 @pytest.fixture(scope="module")
