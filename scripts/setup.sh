@@ -13,9 +13,10 @@
 # The rest (about 200 packages) goes in with uv when it can be had (pip install uv), else
 # with pip: uv installs them in parallel (a fresh set-up: 84-92 s against pip's 142 s on a
 # 2-core VM). uv reads its own index settings (UV_INDEX_URL, uv.toml), not pip.conf; set
-# INSTALLER=pip to use pip's. Both byte-compile what they install, once, at install time:
-# where PYTHONDONTWRITEBYTECODE is set, an uncompiled venv recompiles every module in every
-# process (with pip --no-compile, a fresh `make test` was at 10 % after 12 minutes).
+# INSTALLER=pip to use pip's. What they install is byte-compiled once, after them
+# (compile_site): where PYTHONDONTWRITEBYTECODE is set, an uncompiled venv recompiles every
+# module in every process (with pip --no-compile, a fresh `make test` was at 10 % after 12
+# minutes).
 set -euo pipefail
 
 TORCH_PIN="torch==2.13.0"
@@ -70,8 +71,7 @@ choose_torch() {
 }
 
 # Install torch into the venv of Python $1 (choose_torch picks the build). pip, because
-# only pip reads pip.conf, where a machine may keep its torch wheel (find-links); pip's
-# byte-compiling is one thread, compileall's one per core (15 s against 37 s here).
+# only pip reads pip.conf, where a machine may keep its torch wheel (find-links).
 install_torch() {
   local python=$1
   choose_torch "$python"
@@ -83,11 +83,6 @@ install_torch() {
     echo "setup: installing $TORCH_SPEC"
   fi
   "$python" -m pip install --quiet --no-compile "$TORCH_SPEC" "${from[@]}"
-  # torch and what it brought; its status is ignored, as pip ignores it: a few of torch's
-  # test helpers are Python 3.12 syntax.
-  local site
-  site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  "$python" -m compileall -q -j 0 "$site" >/dev/null 2>&1 || true
 }
 
 # Install lmforge (editable, with the extras in $2, e.g. ".[dev]") into the venv of $1:
@@ -97,13 +92,29 @@ install_lmforge() {
   if [ "${INSTALLER:-uv}" != pip ]; then
     if ! "$python" -m pip install --quiet uv >/dev/null 2>&1; then
       echo "setup: uv could not be installed; installing with pip" >&2
-    elif "$python" -m uv pip install --quiet --python "$python" --compile-bytecode -e "$target"; then
+    elif "$python" -m uv pip install --quiet --python "$python" -e "$target"; then
       return 0
     else
       echo "setup: uv failed; installing with pip" >&2
     fi
   fi
-  "$python" -m pip install --quiet -e "$target"
+  "$python" -m pip install --quiet --no-compile -e "$target"
+}
+
+# Byte-compile the site-packages of Python $1 when what is installed there changed (its
+# list of *.dist-info, kept in $2): one process per core (pip's compiling is one thread;
+# uv's and compileall's took the same ~57 s here). The packages' own test suites are left
+# out (a seventh of the files, 13 of 59 s): nothing imports them. A file that fails to compile is
+# ignored, as pip ignores it (a few of torch's test helpers are Python 3.12 syntax).
+compile_site() {
+  local python=$1 stamp=$2 site installed
+  site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  installed=$(cd "$site" && ls -d -- *.dist-info 2>/dev/null || true)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$installed" ]; then
+    return 0
+  fi
+  "$python" -m compileall -q -j 0 -x 'site-packages/(.+/)?tests?/' "$site" >/dev/null 2>&1 || true
+  printf '%s\n' "$installed" > "$stamp"
 }
 
 main() {
@@ -122,6 +133,7 @@ main() {
 
   echo "setup: installing lmforge${EXTRAS:-[dev]}"
   install_lmforge .venv/bin/python ".${EXTRAS:-[dev]}"
+  compile_site .venv/bin/python .venv/.compiled
   .venv/bin/python -c "import torch, lmforge; print(f'setup: torch {torch.__version__}, cuda={torch.cuda.is_available()}')"
 }
 

@@ -1,11 +1,13 @@
 """scripts/setup.sh picks the CPU build of torch without a GPU, and says so when it can't;
-it installs the rest with uv, and with pip where uv is refused or fails."""
+it installs the rest with uv, and with pip where uv is refused or fails; it byte-compiles
+what is installed once, leaving out the packages' own test suites."""
 
 from __future__ import annotations
 
 import http.server
 import os
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -97,15 +99,52 @@ def install(tmp_path: Path, fail: str = "", **env: str) -> tuple[list[str], str]
 def test_the_rest_goes_in_with_uv_and_with_pip_where_uv_is_refused_or_fails(tmp_path):
     calls, err = install(tmp_path)
     assert [c.split()[:3] for c in calls] == [["-m", "pip", "install"], ["-m", "uv", "pip"]]
-    assert "--compile-bytecode" in calls[1] and calls[1].endswith("-e .[dev]") and err == ""
+    assert calls[1].endswith("-e .[dev]") and err == ""
 
     calls, err = install(tmp_path, fail="-m uv")
-    assert calls[-1] == "-m pip install --quiet -e .[dev]" and len(calls) == 3
+    assert calls[-1] == "-m pip install --quiet --no-compile -e .[dev]" and len(calls) == 3
     assert err == "setup: uv failed; installing with pip"
 
     calls, err = install(tmp_path, fail="-m pip install --quiet uv")
-    assert calls[-1] == "-m pip install --quiet -e .[dev]" and len(calls) == 2
+    assert calls[-1] == "-m pip install --quiet --no-compile -e .[dev]" and len(calls) == 2
     assert err == "setup: uv could not be installed; installing with pip"
 
     calls, err = install(tmp_path, INSTALLER="pip")
-    assert calls == ["-m pip install --quiet -e .[dev]"] and err == ""
+    assert calls == ["-m pip install --quiet --no-compile -e .[dev]"] and err == ""
+
+
+def compile_site(python: str, stamp: Path) -> None:
+    subprocess.run(["bash", "-c", f'source "{SETUP}"; compile_site "{python}" "{stamp}"'],
+                   capture_output=True, text=True, timeout=120, check=True)
+
+
+def test_site_packages_are_compiled_once_and_again_when_what_is_installed_changes(tmp_path):
+    """A venv of our own (no pip): compiled at the first set-up, not at the next (a
+    `make test` runs set-up every time), again once a package is installed."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")],
+                   check=True, timeout=120)
+    python = str(tmp_path / "venv" / "bin" / "python")
+    site = Path(subprocess.run([python, "-c", "import sysconfig; "
+                                "print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    for name in ("pkg", "pkg/tests"):
+        (site / name).mkdir(parents=True)
+        (site / name / "mod.py").write_text("x = 1\n")
+    (site / "pkg-1.0.dist-info").mkdir()
+    stamp = tmp_path / "compiled"
+
+    def cached(folder: str) -> list[str]:
+        return sorted(p.name for p in (site / folder).glob("__pycache__/*.pyc"))
+
+    compile_site(python, stamp)
+    assert cached("pkg") == [f"mod.{sys.implementation.cache_tag}.pyc"]
+    assert cached("pkg/tests") == []  # a package's own tests: nothing imports them
+    assert stamp.read_text() == "pkg-1.0.dist-info\n"
+
+    (site / "pkg" / "new.py").write_text("y = 2\n")  # not installed by pip/uv: no change
+    compile_site(python, stamp)
+    assert len(cached("pkg")) == 1
+    (site / "other-2.0.dist-info").mkdir()  # a package installed: compiled again
+    compile_site(python, stamp)
+    assert len(cached("pkg")) == 2
+    assert stamp.read_text() == "other-2.0.dist-info\npkg-1.0.dist-info\n"
