@@ -104,8 +104,8 @@ install_lmforge() {
 # Byte-compile the site-packages of Python $1 when what is installed there changed (its
 # list of *.dist-info, kept in $2): one process per core (pip's compiling is one thread;
 # uv's and compileall's took the same ~57 s here). The packages' own test suites are left
-# out (a seventh of the files, 13 of 59 s): nothing imports them. A file that fails to compile is
-# ignored, as pip ignores it (a few of torch's test helpers are Python 3.12 syntax).
+# out (a seventh of the files, 13 of 59 s): nothing imports them. A file that fails to
+# compile is ignored, as pip ignores it (a few of torch's test helpers are 3.12 syntax).
 compile_site() {
   local python=$1 stamp=$2 site installed
   site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

@@ -105,9 +105,11 @@ def wait_for_queue(poll: float = 10.0, report: Callable[[int], None] | None = No
 # constant and waiting falls back to the timeout alone.
 _QUEUE_FILES = (Path(".dvc/tmp/exps/run"), Path(".dvc/tmp/exps/celery/result"))
 _QUEUE_LOGS = ".out"
+# (path, mtime in ns, size) of each of those files, sorted.
+Fingerprint = tuple[tuple[str, int, int], ...]
 
 
-def queue_fingerprint(repo: Path = Path(".")) -> tuple[tuple[str, int, int], ...]:
+def queue_fingerprint(repo: Path = Path(".")) -> Fingerprint:
     """The state of DVC's queue files under ``repo``: (path, mtime, size) of each; a
     microsecond's read, where ``dvc queue status`` is a process."""
     entries = []
@@ -123,7 +125,7 @@ def queue_fingerprint(repo: Path = Path(".")) -> tuple[tuple[str, int, int], ...
 
 
 def wait_for_queue_change(timeout: float, repo: Path = Path("."), tick: float = 0.5,
-                          since: tuple[tuple[str, int, int], ...] | None = None) -> None:
+                          since: Fingerprint | None = None) -> None:
     """Sleep until DVC's queue files under ``repo`` differ from ``since`` (by default,
     from what they are now), or ``timeout`` seconds pass."""
     seen = queue_fingerprint(repo) if since is None else since
