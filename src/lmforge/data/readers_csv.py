@@ -1,12 +1,14 @@
 """CSV and TSV tables: one document per row, its text in a named column.
 
-pyarrow's CSV reader does the parsing (header, quoting, doubled quotes, values spanning
-lines, a leading byte-order mark, CRLF). Cells are read as bytes so a bad UTF-8 cell
-rejects its row alone; a row with the wrong number of cells is skipped by pyarrow's
-invalid-row handler and rejected here. Positions are 1-based line numbers of a row's
-first line: pyarrow numbers records, so lines are counted from the newlines in each
-record's values (a blank line is a row of empty cells to pyarrow here, skipped as no
-record, as is a row whose cells are all empty).
+pyarrow's CSV reader does the parsing, each format by its own rules. CSV follows RFC 4180
+(header, quoting, doubled quotes, values spanning lines); TSV has no quoting (IANA
+text/tab-separated-values), so a ``"`` is data and every line is one row exactly as
+written. Both drop a leading byte-order mark and read CRLF line ends. Cells are read as
+bytes so a bad UTF-8 cell rejects its row alone; a row with the wrong number of cells is
+skipped by pyarrow's invalid-row handler and rejected here. Positions are 1-based line
+numbers of a row's first line: pyarrow numbers records, so lines are counted from the
+newlines in each record's values (a blank line is a row of empty cells to pyarrow here,
+skipped as no record, as is a row whose cells are all empty).
 """
 
 from __future__ import annotations
@@ -25,11 +27,20 @@ from lmforge.errors import InputError
 WRONG_COLUMNS = "wrong_column_count"
 
 
+def _parse_options(delimiter: str, handler) -> pcsv.ParseOptions:
+    """RFC 4180 for CSV; for TSV (a tab delimiter) no quote character at all, since a
+    quote there would merge the rows up to the next quote into one cell, silently."""
+    quoted = delimiter != "\t"
+    return pcsv.ParseOptions(delimiter=delimiter, quote_char='"' if quoted else False,
+                             double_quote=quoted, escape_char=False,
+                             newlines_in_values=quoted, ignore_empty_lines=False,
+                             invalid_row_handler=handler)
+
+
 def _open(path: str | Path, delimiter: str, handler=None,
           names: list[str] | None = None) -> pcsv.CSVStreamingReader:
     read = pcsv.ReadOptions(use_threads=False, block_size=1 << 22)
-    parse = pcsv.ParseOptions(delimiter=delimiter, newlines_in_values=True,
-                              ignore_empty_lines=False, invalid_row_handler=handler)
+    parse = _parse_options(delimiter, handler)
     convert = pcsv.ConvertOptions(column_types={n: pa.binary() for n in names or []},
                                   strings_can_be_null=False)
     return pcsv.open_csv(readers.open_binary(path), read_options=read,
