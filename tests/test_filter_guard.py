@@ -86,6 +86,65 @@ def test_following_the_advice_once_passes_the_guard(tmp_path, start):
         assert loss_problems(fixed, again) == [], option
 
 
+def _apply_all(cfg: FilterConfig, domain: str, option: str) -> FilterConfig:
+    """``cfg`` with every ``filter.domains.D.<key>: <value>`` setting one printed option
+    names (a kind, a skip list, languages, pii), applied exactly as printed."""
+    override = dataclasses.replace(cfg.domains.get(domain) or DomainFilterConfig())
+    found = re.findall(rf"filter\.domains\.{domain}\.(\w+): (\[[^\]]*\]|\w+)", option)
+    assert found, option
+    for key, value in found:
+        listed = [v.strip() for v in value[1:-1].split(",")] if value.startswith("[") else value
+        setattr(override, key, listed)
+    return dataclasses.replace(cfg, domains={**cfg.domains, domain: override})
+
+
+def _options(line: str) -> list[str]:
+    """The options of a guard line's 'keep them with A or B, or accept ...' clause."""
+    keep = line.split("; keep them with ", 1)[1].split(", or accept the loss", 1)[0]
+    return keep.split(" or ")
+
+
+def _poems_with_email(directory: Path) -> None:
+    """The guard test's domains, each poem signed with an e-mail address (PII)."""
+    write_ingested(directory)
+    table = pq.read_table(directory / "part-00000.parquet").to_pydict()
+    table["text"] = [t + "投稿 li.bai@example.com\n" if d == "poems" else t
+                     for t, d in zip(table["text"], table["domain"], strict=True)]
+    pq.write_table(pa.table(table, schema=SCHEMA), directory / "part-00000.parquet")
+
+
+@pytest.mark.parametrize(("start", "step", "setting"), [
+    ("prose", {"languages": ["en"]}, "languages: [en, "),  # the rules and the language
+    ("web", {"languages": ["en"]}, "languages: [en, "),
+    ("verse", {"languages": ["en"]}, "languages: [en, "),  # the language step alone
+    ("prose", {"pii": "drop"}, "pii: redact"),  # the rules and the PII step
+    ("verse", {"pii": "drop"}, "pii: redact"),  # the PII step alone
+])
+def test_advice_counts_the_language_and_pii_steps(tmp_path, start, step, setting):
+    """Followed once, every option passes the guard: each one gives back what the
+    language and PII steps reject as well as the rules (issue 43, defect 5: 'kind: verse
+    (keeps 100 %)' kept 0 of 12 Chinese poems with languages: [en])."""
+    if "pii" in step:
+        _poems_with_email(tmp_path / "in")
+    else:
+        write_ingested(tmp_path / "in")
+    cfg = FilterConfig(num_workers=1, kind=start, **step)
+    failures: dict = {}
+    metrics = run_filter(cfg, tmp_path / "in", tmp_path / "out", failures=failures)
+    assert metrics["domains"]["poems"]["kept"] == 0 and metrics["domains"]["prose"]["kept"] == 12
+    samples = domain_samples(tmp_path / "in", guarded_domains(cfg, metrics))
+    (line,) = loss_problems(cfg, metrics, failures, samples)
+    options = _options(line)
+    assert options, line
+    for n, option in enumerate(options):
+        fixed = _apply_all(cfg, "poems", option)
+        again: dict = {}
+        metrics = run_filter(fixed, tmp_path / "in", tmp_path / f"again{n}", failures=again)
+        assert loss_problems(fixed, metrics, again) == [], option
+    # Each names the step that rejects them all, besides any rule or kind.
+    assert all(f"filter.domains.poems.{setting}" in o for o in options), line
+
+
 def test_the_smallest_skip_list_is_exact():
     failures = Counter({("a",): 5, ("a", "b"): 3, ("b", "c"): 4, ("c",): 1})
     assert smallest_skip(failures, kept=2, need=7) == (["a"], 7)

@@ -19,6 +19,7 @@ import pyarrow as pa
 from lmforge.config import FilterConfig
 from lmforge.data import filter_advice, langid, pii
 from lmforge.data.counts import Counts
+from lmforge.data.filter_advice import LANGUAGE_RULE, PII_RULE
 from lmforge.data.filter_report import add_example, merge_examples
 from lmforge.data.filters import DomainRules, domain_rules
 from lmforge.data.records import list_parts, read_table, write_table
@@ -43,11 +44,6 @@ class PartTask:
     out: str
     rejects_out: str
     cfg: FilterConfig
-
-
-PII_RULE = "pii"
-# A document in a language ``filter.languages`` leaves out (after the quality rules).
-LANGUAGE_RULE = "language"
 
 
 @dataclass
@@ -99,6 +95,14 @@ def _after_rules(text: str, rules: DomainRules, lang: str,
     return None, (new_text if found else text), found
 
 
+def _reasons(rules: DomainRules, first: str, text: str, lang: str) -> tuple[str, ...]:
+    """Every reason a rejected document has (``first`` the one it was rejected for): the
+    rules it fails (none when a later step rejected it, the rules passed it), then the
+    language and PII steps that would reject it too."""
+    failed = rules.failures(text) if first not in (LANGUAGE_RULE, PII_RULE) else ()
+    return failed + filter_advice.step_reasons(rules.settings, text, lang)
+
+
 def judge_table(table: pa.Table, cfg: FilterConfig, failures: dict[str, Counter] | None = None,
                 languages: dict[str, dict[str, Counter]] | None = None,
                 ) -> tuple[list[bool], list[str], dict, Counts, dict, dict]:
@@ -135,11 +139,10 @@ def judge_table(table: pa.Table, cfg: FilterConfig, failures: dict[str, Counter]
             texts.append(text)
             continue
         c.rejected[failure[0]] += 1
-        shown = text
-        if failure[0] == LANGUAGE_RULE:
-            shown = f"[{lang}] {text}"  # the report's example says which language
-        elif failures is not None and failure[0] != PII_RULE:  # what skipping rules gives back
-            failures.setdefault(domain, Counter())[rules[domain].failures(text)] += 1
+        shown = f"[{lang}] {text}" if failure[0] == LANGUAGE_RULE else text  # which language
+        if failures is not None:  # every step that rejects it: what changing settings gives back
+            failures.setdefault(domain, Counter())[_reasons(rules[domain], failure[0], text,
+                                                            lang)] += 1
         add_example(examples, domain, failure[0], rid, float(failure[1]), shown)
         for name, value in zip(REJECTS_SCHEMA.names, (rid, domain, source, failure[0],
                                                       float(failure[1]), text), strict=True):
@@ -200,8 +203,8 @@ def domain_metrics(cfg: FilterConfig, counts: Counts, redacted: dict[str, Counte
                 c[name] = dict(sorted(found.items(), key=lambda kv: (-kv[1], kv[0])))
         if failures and failures.get(domain):
             fails: Counter = Counter()
-            for rules, n in failures[domain].items():
-                fails.update({r: n for r in rules})
+            for rules, n in failures[domain].items():  # the rules alone, not later steps
+                fails.update({r: n for r in rules if filter_advice.is_rule(r)})
             c["fails"] = dict(sorted(fails.items(), key=lambda kv: (-kv[1], kv[0])))
         rules = domain_rules(cfg, domain)
         c["kind"] = rules.settings["kind"]
@@ -236,11 +239,7 @@ def loss_problems(cfg: FilterConfig, metrics: dict[str, Any],
         s = domain_rules(cfg, domain).settings
         lost, n_in = c["in"] - c["kept"], c["in"]
         share = lost / n_in if n_in else 0.0
-        top = sorted(c["rejected"].items(), key=lambda kv: (-kv[1], kv[0]))
-        by_rule = ", ".join(f"{r} {n:,}" for r, n in top) or "no rule"
-        if c.get("fails") and set(c["fails"]) != set(c["rejected"]) - {PII_RULE}:
-            by_rule += (" (the first rule failed; every rule they fail: "
-                        + ", ".join(f"{r} {n:,}" for r, n in c["fails"].items()) + ")")
+        by_rule = _by_rule(c, (failures or {}).get(domain))
         keep = _keep_text(cfg, domain, c, failures, samples)
         where = f"filter.domains.{domain}"
         if share > s["max_loss"]:
@@ -257,14 +256,34 @@ def loss_problems(cfg: FilterConfig, metrics: dict[str, Any],
     return problems
 
 
+def _by_rule(c: dict[str, Any], failures: Counter | None) -> str:
+    """The reasons part of a guard line: each first reason with its count, and (when the
+    documents fail more than that) every rule they fail and the later steps rejecting
+    them too, which a change must give back as well."""
+    top = sorted(c["rejected"].items(), key=lambda kv: (-kv[1], kv[0]))
+    by_rule = ", ".join(f"{r} {n:,}" for r, n in top) or "no rule"
+    more = []
+    if c.get("fails") and set(c["fails"]) != set(c["rejected"]) - {PII_RULE, LANGUAGE_RULE}:
+        more.append("the first rule failed; every rule they fail: "
+                    + ", ".join(f"{r} {n:,}" for r, n in c["fails"].items()))
+    steps = filter_advice.step_counts(failures or Counter())
+    # Documents a rule rejected first that a later step rejects as well.
+    hidden = {r: n - c["rejected"].get(r, 0) for r, n in steps.items()}
+    if any(hidden.values()):
+        more.append("later steps reject them too: "
+                    + ", ".join(f"{r} {n:,}" for r, n in sorted(hidden.items()) if n))
+    return by_rule + (f" ({'; '.join(more)})" if more else "")
+
+
 def _keep_text(cfg: FilterConfig, domain: str, c: dict[str, Any],
                failures: dict[str, Counter] | None, samples: dict[str, list[str]] | None) -> str:
     """The 'keep them with ...' clause of a guard line ('' when nothing was removed)."""
     s = domain_rules(cfg, domain).settings
     texts = (samples or {}).get(domain) or []
-    shares = filter_advice.kind_shares(cfg, domain, texts) if texts else None
-    fix = filter_advice.advice(cfg, domain, c, (failures or {}).get(domain), shares, len(texts))
-    if c["rejected"].get(LANGUAGE_RULE):
+    verdicts = filter_advice.kind_verdicts(cfg, domain, texts) if texts else None
+    known = (failures or {}).get(domain)
+    fix = filter_advice.advice(cfg, domain, c, known, verdicts, len(texts))
+    if c["rejected"].get(LANGUAGE_RULE) and not known:  # else the advice has the languages
         seen = [lang for lang in c.get("languages", {}) if lang not in (s["languages"] or [])][:5]
         widen = (f"filter.domains.{domain}.languages: [{', '.join([*(s['languages'] or []), *seen])}] "
                  f"({c['rejected'][LANGUAGE_RULE]:,} were in other languages)")
