@@ -363,3 +363,42 @@ def test_llama_cpp_stops_a_reply_at_our_end_of_turn(tmp_path, sp_chat):
                                      temperature=0.0, top_k=1, max_tokens=16,
                                      repeat_penalty=1.0)["choices"][0]
     assert got["message"]["content"] == "" and got["finish_reason"] == "stop"
+
+
+# --- open chat models whose EOS is their end of turn (issue 43) ---------------------------
+
+@pytest.mark.parametrize("kind, end", [("qwen2.5", "<|im_end|>"), ("llama3.1", "<|eot_id|>")])
+def test_an_open_chat_models_end_of_turn_is_its_templates_own(tmp_path, kind, end):
+    """Qwen2.5/Llama 3.1 Instruct: EOS is the end of turn and generation_config.json
+    stops at more ids. The file's eot is the template's end of turn (not the lowest other
+    stop id), and the Modelfile stops there first, then at every other stop id."""
+    from open_chat_models import chat_model, generation_config, token_ids
+
+    model_dir = chat_model(tmp_path, kind)
+    ids = token_ids(model_dir)
+    meta = fields(export_gguf(model_dir, tmp_path / "m.gguf"))
+    assert meta["tokenizer.ggml.eot_token_id"] == ids[end]
+    assert meta["tokenizer.ggml.eos_token_id"] == ids[end]
+    lines = (tmp_path / "m.Modelfile").read_text().splitlines()
+    stops = [line for line in lines if line.startswith("PARAMETER stop")]
+    assert stops[0] == f'PARAMETER stop "{end}"'
+    by_id = {i: t for t, i in ids.items()}
+    wanted = {f'PARAMETER stop "{by_id[i]}"'
+              for i in generation_config(kind, ids)["eos_token_id"]}
+    assert set(stops) == wanted and len(stops) == len(wanted)
+
+
+def test_a_hugging_face_folder_is_sent_to_import_hf_in_one_line(tmp_path, capsys):
+    from open_chat_models import hf_chat_model
+
+    hf_dir = hf_chat_model(tmp_path)
+    capsys.readouterr()  # transformers' progress bars
+    for argv in (["export", "gguf", str(tmp_path / "m.gguf")],
+                 ["export", "hf", str(tmp_path / "out")]):
+        with pytest.raises(SystemExit):
+            main([*argv, "--model", str(hf_dir)])
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+        assert f"{hf_dir} is a Hugging Face folder" in err
+        assert "lmforge import hf" in err and "first" in err
+    assert not (tmp_path / "m.gguf").exists() and not (tmp_path / "out").exists()

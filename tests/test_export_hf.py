@@ -322,3 +322,42 @@ def test_cli_parsers_run_export_then_import(tmp_path, sp_path, capsys):
     assert model.config.seq_len == 32 and cfg["tokenizer_sha256"] == Tokenizer.load(sp_path).sha256
     first, again = load_file(src / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+
+
+# --- open chat models: stop ids and generation defaults (issue 43) ------------------------
+
+@pytest.mark.parametrize("eos", ["<|im_end|>", "<|endoftext|>"], ids=["instruct", "eos-not-eot"])
+def test_an_open_chat_model_goes_out_stopping_at_its_end_of_turn(tmp_path, eos):
+    """Qwen2.5-Instruct (EOS <|im_end|>; generation_config.json stops at <|im_end|> and
+    <|endoftext|> and has its sampling defaults), and a fine-tune whose tokenizer's EOS is
+    <|endoftext|>, which is not its end of turn, and which has no generation_config.json.
+    Both exports stop at <|im_end|> in transformers' generate; the first keeps the
+    source's generation defaults as they came in."""
+    from open_chat_models import chat_model, generation_config, token_ids
+
+    instruct = eos == "<|im_end|>"
+    model_dir = chat_model(tmp_path, eos=eos, generation=instruct)
+    ids = token_ids(model_dir)
+    end, stops = ids["<|im_end|>"], [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    out = export_hf(model_dir, tmp_path / "out")
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == stops
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == stops
+    if instruct:
+        source = generation_config("qwen2.5", ids)
+        assert {k: gen.get(k) for k in source} == source
+        assert (gen["temperature"], gen["top_p"], gen["repetition_penalty"]) == (0.7, 0.8, 1.05)
+        # Nothing to add: the source's file itself.
+        assert ((out / "generation_config.json").read_bytes()
+                == (model_dir / "generation_config.json").read_bytes())
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert end in model.generation_config.eos_token_id
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], return_dict=True,
+                                     add_generation_prompt=True, return_tensors="pt")
+    n = prompt["input_ids"].shape[1]
+    # The end of turn made by far the likeliest token: generate must stop right after it.
+    with torch.no_grad():
+        reply = model.generate(**prompt, max_new_tokens=8, do_sample=False,
+                               sequence_bias={(end,): 100.0})[0, n:].tolist()
+    assert reply == [end]

@@ -1,17 +1,18 @@
 """An Ollama ``Modelfile`` beside an exported ``.gguf``: FROM, the chat template in
-Ollama's Go-template syntax, and the stop token.
+Ollama's Go-template syntax, and the stop tokens.
 
 Ollama renders prompts with its own Go templates, not the Jinja ``tokenizer.chat_template``
 in the file, so the template is translated here for the layouts we know: lmforge's chat
 markers (our SFT/DPO models) and ChatML (Qwen, SmolLM2). A ChatML template that writes a
 default system message when the conversation has none (SmolLM2's, Qwen2.5's) keeps it as
 the Modelfile's ``SYSTEM``, which Ollama puts first in such a conversation. A base model
-gets FROM alone; another template gets FROM and the stop token, with a comment saying
+gets FROM alone; another template gets FROM and the stop tokens, with a comment saying
 the TEMPLATE is the user's to write.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from lmforge.finetune.records import USER
@@ -33,10 +34,10 @@ def modelfile_path(gguf_path: Path) -> Path:
     return gguf_path.with_suffix(".Modelfile")
 
 
-def modelfile_text(gguf_path: Path, chat_template: str | None, stop: str | None,
+def modelfile_text(gguf_path: Path, chat_template: str | None, stops: Sequence[str],
                    bos: str | None, tok_path: Path) -> str:
     """The Modelfile for ``gguf_path`` (FROM is relative: Ollama resolves it beside the
-    Modelfile)."""
+    Modelfile); ``stops``: one ``PARAMETER stop`` each, the end of turn first."""
     lines = [HEADER, f"FROM ./{gguf_path.name}"]
     template, system = _template(chat_template, bos, tok_path)
     if chat_template is not None and template is None:
@@ -46,8 +47,7 @@ def modelfile_text(gguf_path: Path, chat_template: str | None, stop: str | None,
         lines.append(f'SYSTEM """{system}"""')
     if template is not None:
         lines.append(f'TEMPLATE """{template}"""')
-    if stop is not None:
-        lines.append(f'PARAMETER stop "{stop}"')
+    lines += [f'PARAMETER stop "{stop}"' for stop in stops]
     return "\n".join(lines) + "\n"
 
 

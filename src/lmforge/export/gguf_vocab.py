@@ -16,8 +16,9 @@ Two vocabularies, one per tokenizer backend:
   (:data:`PRE_TOKENIZERS`), which also names a tokenizer trained from scratch with a
   known regex. Any other layout is refused in one line.
 
-Both: BOS/EOS/UNK/PAD ids, the end-of-turn id (``<|end|>`` for our chat markers, the
-model's own stop token for an imported chat model) and ``tokenizer.chat_template``; no
+Both: BOS/EOS/UNK/PAD ids, the end-of-turn id (the chat template's own: ``<|end|>`` for
+our chat markers, ``<|im_end|>``/``<|eot_id|>`` for Qwen/Llama 3 Instruct, which is
+their EOS too; :mod:`lmforge.export.chat_stops`) and ``tokenizer.chat_template``; no
 BOS is added when text is tokenized, as ``lmforge generate`` adds none (chat templates
 write their BOS themselves).
 """
@@ -31,10 +32,8 @@ from pathlib import Path
 from sentencepiece import sentencepiece_model_pb2 as model_pb2
 
 from lmforge.errors import InputError
+from lmforge.export.chat_stops import chat_stops
 from lmforge.export.hf_tokenizer import read_proto
-from lmforge.finetune.model_template import read_template
-from lmforge.finetune.template import CHAT_TEMPLATE, END_MARKER, chat_format, marker_ids
-from lmforge.tokenizer import Tokenizer
 from lmforge.tokenizer.files import is_hf_file
 
 # gguf.TokenType's values (the sentencepiece proto's numbering too).
@@ -64,7 +63,8 @@ class Vocab:
     add_space_prefix: bool | None = None
     remove_extra_whitespaces: bool | None = None
     chat_template: str | None = None
-    stop_token: str | None = None  # the end-of-turn text (Ollama's PARAMETER stop)
+    # Ollama's PARAMETER stop lines: the end of turn first, then every other stop token
+    stop_tokens: list[str] = field(default_factory=list)
 
 
 def read_vocab(tok_path: Path, special: dict[str, int], n_vocab: int) -> Vocab:
@@ -152,26 +152,14 @@ def pre_tokenizer_name(pre: dict | None, where: Path) -> str:
 
 
 def _add_chat(vocab: Vocab, tok_path: Path) -> None:
-    """The chat template and end-of-turn id: ours when the tokenizer has our chat markers,
-    the model's own when its folder brings one, none for a base model."""
-    tokenizer = Tokenizer.load(tok_path)
-    own = read_template(tok_path.parent) if tokenizer.backend == "hf" else None
-    if own is not None:
-        fmt = chat_format(tokenizer)
-        stops = sorted(set(fmt.stop_ids) - {tokenizer.eos_id})
-        vocab.chat_template = own[0]
-        stop = stops[0] if stops else tokenizer.eos_id
-        if stop >= 0:
-            vocab.special["eot"] = stop
-            vocab.stop_token = vocab.tokens[stop]
+    """The chat template, end-of-turn id and stop tokens: ours when the tokenizer has our
+    chat markers, the model's own when its folder brings one, none for a base model."""
+    stops = chat_stops(tok_path)
+    if stops is None:
         return
-    try:
-        end = marker_ids(tokenizer)[END_MARKER]
-    except InputError:
-        return  # a base model: no template
-    vocab.chat_template = CHAT_TEMPLATE
-    vocab.special["eot"] = end
-    vocab.stop_token = END_MARKER
+    vocab.chat_template = stops.template
+    vocab.special["eot"] = stops.end
+    vocab.stop_tokens = [vocab.tokens[i] for i in stops.ids]
 
 
 def write_vocab(writer, vocab: Vocab) -> None:  # writer: gguf.GGUFWriter

@@ -9,9 +9,13 @@ other names, so both directions are exact.
 
 A model whose tokenizer carries the chat markers (a fine-tuned one) is exported as a chat
 model: tokenizer_config.json holds ``chat_template`` (so ``apply_chat_template`` gives our
-``generation_prompt`` ids), the markers are special tokens, and ``eos_token_id`` in
-config.json and generation_config.json lists ``<|end|>`` before EOS, so ``generate``
-stops at the end of the assistant's turn.
+``generation_prompt`` ids) and the markers are special tokens. For every chat model,
+ours or imported, ``eos_token_id`` in config.json and generation_config.json lists the
+template's end of turn (``<|end|>``, ``<|im_end|>``, ``<|eot_id|>``) and every other id
+it stops at, with EOS, so ``generate`` stops at the end of the assistant's turn whether
+or not EOS is that token (:mod:`lmforge.export.chat_stops`). An imported model's own
+generation_config.json (kept by ``import hf``) goes out as it came in, its sampling
+defaults included; only stop ids it lacks are added.
 
 Both commands write a marker file (``.lmforge-export``) into their output folder, and
 replace an existing folder only when it is empty or holds that marker: a folder the user
@@ -34,10 +38,10 @@ from safetensors.torch import save_file
 
 from lmforge import __version__
 from lmforge.errors import InputError
+from lmforge.export.chat_stops import ChatStops, chat_stops
 from lmforge.export.hf_config import from_hf_config, to_hf_config
 from lmforge.export.hf_names import hf_name, our_name, to_hf_state
 from lmforge.export.hf_tokenizer import TOKENIZER_MODEL, write_hf_tokenizer
-from lmforge.finetune.template import CHAT_TEMPLATE, END_MARKER, marker_ids
 from lmforge.io import atomic_dir, read_json_object, write_json
 from lmforge.model.llama import Llama
 from lmforge.model.saved import CONFIG, WEIGHTS, load_model, model_state, save_model
@@ -47,10 +51,11 @@ from lmforge.tokenizer.files import copy_tokenizer, find_tokenizer, is_hf_file
 HF_INDEX = "model.safetensors.index.json"
 # Written by export and import alike: the one proof that a folder is ours to replace.
 MARKER = ".lmforge-export"
+GENERATION_CONFIG = "generation_config.json"
 # What import copies beside the weights as it is (whichever exist): the tokenizer and the
 # model's generation defaults.
 TOKENIZER_FILES = (TOKENIZER_MODEL, HF_FILE, "tokenizer_config.json", "chat_template.jinja",
-                   "special_tokens_map.json", "generation_config.json")
+                   "special_tokens_map.json", GENERATION_CONFIG)
 
 
 def export_hf(model_dir: str | Path, out_dir: str | Path, *, force: bool = False) -> Path:
@@ -60,28 +65,44 @@ def export_hf(model_dir: str | Path, out_dir: str | Path, *, force: bool = False
     export/import, or when ``force`` is set.
     """
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    refuse_hf_folder(model_dir)
     _check_writable(out_dir, model_dir, force)
     model, config = load_model(model_dir)
     tok_path = model_tokenizer(model_dir, config)
     special = config.get("special_ids") or {}
-    end_id = _chat_end_id(tok_path)
+    chat = chat_stops(tok_path)
     state = to_hf_state(model_state(model))
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
     hf_config = to_hf_config(model.config, model.vocab_size, special, dtype)
-    if end_id is not None:  # a chat model: generation stops at <|end|> (or EOS)
-        hf_config["eos_token_id"] = _eos_ids(special, end_id)
+    generation = _generation_config(model_dir, special, chat)
+    # config.json stops where generation_config.json does: some readers (vLLM, older
+    # transformers pipelines) take the stop ids from config.json alone.
+    hf_config["eos_token_id"] = generation.get("eos_token_id")
     with atomic_dir(out_dir) as tmp:
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
         write_json(tmp / CONFIG, hf_config)
-        write_json(tmp / "generation_config.json", _generation_config(special, end_id))
+        _write_generation_config(tmp, model_dir, generation)
         if is_hf_file(tok_path):  # a model's own tokenizer goes out as it came in
             copy_tokenizer(tok_path, tmp)
         else:
             write_hf_tokenizer(tok_path, tmp, special, model.config.seq_len,
-                               chat_template=CHAT_TEMPLATE if end_id is not None else None)
+                               chat_template=chat.template if chat is not None else None)
         _write_marker(tmp, "export hf", model_dir,
                       tokenizer="hf" if is_hf_file(tok_path) else "sentencepiece")
     return out_dir
+
+
+def refuse_hf_folder(model_dir: Path) -> None:
+    """One line sending a Hugging Face folder (config.json with ``model_type``, not our
+    ``model`` section) to ``import hf``, before it fails as "bad model config"."""
+    try:
+        config = json.loads((model_dir / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # not that case: load_model says what is wrong
+    if isinstance(config, dict) and "model" not in config and (
+            "model_type" in config or "architectures" in config):
+        raise InputError(f"{model_dir} is a Hugging Face folder; import it with `lmforge "
+                         f"import hf {model_dir} --out DIR` first, then export DIR")
 
 
 def model_tokenizer(model_dir: Path, config: dict[str, Any]) -> Path:
@@ -98,29 +119,47 @@ def model_tokenizer(model_dir: Path, config: dict[str, Any]) -> Path:
     return tok_path
 
 
-def _chat_end_id(tok_path: Path) -> int | None:
-    """The ``<|end|>`` id when the tokenizer carries the chat template's markers, else None.
-
-    A tokenizer without them (a base model's) is exported as it always was.
-    """
-    try:
-        return marker_ids(Tokenizer.load(tok_path))[END_MARKER]
-    except InputError:
-        return None
-
-
-def _eos_ids(special: dict[str, int], end_id: int) -> list[int]:
-    """A chat model's stop ids: ``<|end|>`` first, then the tokenizer's EOS if it has one."""
+def _generation_config(model_dir: Path, special: dict[str, int], chat: ChatStops | None
+                       ) -> dict[str, Any]:
+    """generation_config.json: the model's own when it came with one (``import hf`` keeps
+    it beside the weights), else its bos/pad ids and our sampling defaults; either way
+    ``eos_token_id`` holds every id its chat template stops at, the end of turn first,
+    and the tokenizer's EOS."""
+    stops = list(chat.ids) if chat is not None else []
     eos = special.get("eos", -1)
-    return [end_id] + ([eos] if eos is not None and eos >= 0 and eos != end_id else [])
+    if eos is not None and eos >= 0 and eos not in stops:
+        stops.append(eos)
+    if (model_dir / GENERATION_CONFIG).is_file():
+        source = read_json_object(model_dir / GENERATION_CONFIG)
+        return _with_stops(source, _stop_value(source.get("eos_token_id"), stops))
+    ids = {f"{k}_token_id": special[k] for k in ("bos", "pad")
+           if special.get(k) is not None and special[k] >= 0}
+    return _with_stops({**ids, "do_sample": True, "temperature": 0.8, "top_k": 50},
+                       _stop_value(None, stops))
 
 
-def _generation_config(special: dict[str, int], end_id: int | None = None) -> dict[str, Any]:
-    ids: dict[str, Any] = {f"{k}_token_id": special[k] for k in ("bos", "eos", "pad")
-                           if special.get(k, -1) >= 0}
-    if end_id is not None:
-        ids["eos_token_id"] = _eos_ids(special, end_id)
-    return {**ids, "do_sample": True, "temperature": 0.8, "top_k": 50}
+def _write_generation_config(out_dir: Path, model_dir: Path, generation: dict[str, Any]
+                             ) -> None:
+    """The model's own file byte for byte when nothing in it changed, else ``generation``."""
+    source = model_dir / GENERATION_CONFIG
+    if source.is_file() and read_json_object(source) == generation:
+        shutil.copyfile(source, out_dir / GENERATION_CONFIG)
+    else:
+        write_json(out_dir / GENERATION_CONFIG, generation)
+
+
+def _stop_value(source: Any, stops: list[int]) -> int | list[int] | None:
+    """``eos_token_id``: the source's ids in its order, then the stops it lacks; one id
+    as a number (as transformers writes it), several as a list, none as None."""
+    have = [i for i in (source if isinstance(source, list) else [source])
+            if isinstance(i, int) and not isinstance(i, bool)]
+    ids = have + [i for i in stops if i not in have]
+    return None if not ids else ids[0] if len(ids) == 1 else ids
+
+
+def _with_stops(config: dict[str, Any], stops: int | list[int] | None) -> dict[str, Any]:
+    out = {k: v for k, v in config.items() if k != "eos_token_id"}
+    return out if stops is None else {**out, "eos_token_id": stops}
 
 
 def import_hf(in_dir: str | Path, out_dir: str | Path, seq_len: int | None = None, *,
