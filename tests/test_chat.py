@@ -160,7 +160,9 @@ def test_long_conversations_drop_the_oldest_turns_and_keep_the_system(model_dir,
     assert max(lengths) <= 64 - 8 and len(lengths) == 6  # room for the reply
     assert err.getvalue().count("note: the conversation outgrew the model's 64-token") == 1
     assert s.turns()[0] == ("system", SYSTEM) and s.history[0][0] == "user"
-    assert 0 < len(s.history) < 12 and s.history[-2] == ("user", f"{Q3} 5 " + Q1)
+    # The prompts left the oldest exchanges out; the history keeps every turn.
+    assert len(s.history) == 12 and s.history[-2] == ("user", f"{Q3} 5 " + Q1)
+    assert len(generation_prompt(s.turns(), tok)) > 64 - 8
     # One message that cannot fit is refused in one line and leaves the history alone.
     before = list(s.history)
     with pytest.raises(InputError, match="keeps 8 for the reply"):
@@ -170,6 +172,56 @@ def test_long_conversations_drop_the_oldest_turns_and_keep_the_system(model_dir,
     repl(s, io.StringIO(f"{Q3 * 10}\n{Q1}\n"), out, err)
     assert err.getvalue().startswith("error: chat: the message makes a ") and len(s.history) > 0
     assert s.history[-2] == ("user", Q1)
+
+
+def _long_chat(model_dir: Path, tok: Tokenizer, monkeypatch) -> tuple[ChatSession, list]:
+    """A session whose six exchanges outgrew the 64-token context, and the prompts sent."""
+    prompts: list[list[int]] = []
+
+    def recording(model, idx, *a, **kw):
+        prompts.append(list(idx))
+        return generate(model, idx, *a, **kw)
+
+    monkeypatch.setattr(chat_mod, "generate", recording)
+    s = session(model_dir, tok, system=SYSTEM, max_new_tokens=8, err=io.StringIO())
+    for i in range(6):
+        s.reply(f"{Q3} {i} " + Q1)
+    return s, prompts
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, RuntimeError])
+def test_an_interrupted_reply_leaves_a_trimmed_history_as_it_was(model_dir, tok, monkeypatch,
+                                                                 failure):
+    """Ctrl-C (or an error) mid-reply after the context was trimmed: every old turn is
+    still there (issue 43, defect 6: 6 turns before, 2 after)."""
+    s, prompts = _long_chat(model_dir, tok, monkeypatch)
+    before = list(s.history)
+    word = tok.encode("the")[0]
+    assert word not in s.stop_ids
+
+    def broken(model, idx, *a, **kw):  # one token of the reply, then Ctrl-C or a failure
+        prompts.append(list(idx))
+        yield word
+        raise failure("stopped mid-reply")
+
+    monkeypatch.setattr(chat_mod, "generate", broken)
+    with pytest.raises(failure):
+        s.reply(Q1 + " " + Q3)
+    assert s.history == before
+    assert len(before) == 12 and before[0] == ("user", f"{Q3} 0 " + Q1)  # nothing trimmed
+    for i, prompt in enumerate(prompts[:6]):  # each: the most recent exchanges that fit
+        turns = before[:2 * i + 1]
+        fits = [generation_prompt([("system", SYSTEM), *turns[d:]], tok)
+                for d in range(0, len(turns), 2)]
+        assert prompt == next(p for p in fits if len(p) <= 64 - 8)
+    # The prompt it stopped in had to leave old exchanges out: the trimming case.
+    full = generation_prompt([("system", SYSTEM), *before, ("user", Q1 + " " + Q3)], tok)
+    assert len(full) > 64 - 8 >= len(prompts[-1])
+    if failure is KeyboardInterrupt:  # the REPL's Ctrl-C path, too
+        out, err = io.StringIO(), io.StringIO()
+        repl(s, io.StringIO(f"{Q1}\n"), out, err)
+        assert err.getvalue() == "(interrupted; the message was dropped)\n"
+        assert s.history == before
 
 
 def test_tokenizer_without_markers_is_one_line(tmp_path, capsys):

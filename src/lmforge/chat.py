@@ -14,8 +14,10 @@ a user turn answered in order, and only the replies are printed (or, with ``--js
 the whole conversation as ``{"messages": [...]}``).
 
 When the conversation outgrows the model's context, its oldest exchanges (a user turn
-and the reply to it) are dropped, never the system message, so that the prompt leaves
-``max_new_tokens`` (at most half the context) for the reply; stderr says so once.
+and the reply to it) are left out of the prompt, never the system message, so that the
+prompt leaves ``max_new_tokens`` (at most half the context) for the reply; stderr says
+so once. The history keeps every turn: only a finished reply changes it (adding the
+exchange), so Ctrl-C or an error leaves it exactly as it was before the message.
 """
 
 from __future__ import annotations
@@ -73,41 +75,53 @@ class ChatSession:
     def reply(self, text: str, out: TextIO | None = None) -> str:
         """Answer the user message ``text``, streaming the reply to ``out``; return it.
 
-        On an error or Ctrl-C the history is left as it was before the message.
+        Only a finished reply changes the history (it adds the exchange): on an error or
+        Ctrl-C the history is left exactly as it was before the message, every old turn
+        included, however many the prompt had to leave out.
         """
-        self.history.append((USER, text))
+        tokens = self._tokens(self.prompt_ids(text))
         try:
-            tokens = self._tokens(self.prompt_ids())
-            try:
-                self.last_ids = stream_reply(tokens, self.tokenizer, self.stop_ids, out)
-            finally:
-                tokens.close()  # generate's cleanup now, also when EOS stopped us early
-        except BaseException:
-            self.history.pop()
-            raise
-        answer = self.tokenizer.decode([t for t in self.last_ids if t not in self.stop_ids])
-        self.history.append((ASSISTANT, answer))
+            ids = stream_reply(tokens, self.tokenizer, self.stop_ids, out)
+        finally:
+            tokens.close()  # generate's cleanup now, also when EOS stopped us early
+        answer = self.tokenizer.decode([t for t in ids if t not in self.stop_ids])
+        self.last_ids = ids
+        self.history += [(USER, text), (ASSISTANT, answer)]  # one step: all or nothing
         return answer
 
-    def prompt_ids(self) -> list[int]:
-        """The generation prompt, dropping the oldest exchanges until it fits the context.
+    def prompt_ids(self, text: str) -> list[int]:
+        """The generation prompt for the user message ``text`` after the history, leaving
+        its oldest exchanges out until the prompt fits the context. The history itself is
+        not changed (what is left out is left out of this prompt only).
 
-        A message that cannot fit even alone is an ``InputError``, and drops nothing.
+        A message that cannot fit even alone is an ``InputError``.
         """
         seq_len = self.model.config.seq_len
-        room = min(self.max_new_tokens, seq_len // 2)
+        limit = seq_len - min(self.max_new_tokens, seq_len // 2)
         system = [(SYSTEM, self.system)] if self.system else []
-        drop = 0
-        ids = self.format.generation_prompt(system + self.history)
-        while len(ids) > seq_len - room and drop + 1 < len(self.history):
-            drop += 2  # a user turn and the reply to it
-            ids = self.format.generation_prompt(system + self.history[drop:])
-        if len(ids) > seq_len - room:
+        turns = [*self.history, (USER, text)]
+
+        def without(exchanges: int) -> list[int]:  # the prompt less the oldest exchanges
+            return self.format.generation_prompt(system + turns[2 * exchanges:])
+
+        ids = without(0)
+        if len(ids) <= limit:
+            return ids
+        # The prompt only shrinks as exchanges are left out: bisect for the fewest that
+        # fit, a few renders however long the history has grown (it is never trimmed).
+        lo, hi = 1, (len(turns) - 1) // 2
+        ids = without(hi)  # the message alone (after the system message)
+        if len(ids) > limit:
             raise InputError(f"chat: the message makes a {len(ids)}-token prompt; the model's "
-                             f"{seq_len}-token context keeps {room} for the reply")
-        if drop:
-            del self.history[:drop]
-            self._warn_once(seq_len)
+                             f"{seq_len}-token context keeps {seq_len - limit} for the reply")
+        while lo < hi:
+            mid = (lo + hi) // 2
+            mid_ids = without(mid)
+            if len(mid_ids) <= limit:
+                hi, ids = mid, mid_ids
+            else:
+                lo = mid + 1
+        self._warn_once(seq_len)
         return ids
 
     def _tokens(self, prompt: list[int]) -> Generator[int, None, None]:
