@@ -70,10 +70,10 @@ class Ours:
     """lmforge's training step at the benchmark size."""
 
     def __init__(self, shards: ShardSet, micro: int, accum: int, precision: str,
-                 compile_: bool, fused_loss: bool = True) -> None:
+                 compile_: bool, fused_loss: bool = True, optimizer: str = "adamw") -> None:
         torch.manual_seed(0)
         self.cfg = TrainConfig(max_steps=10_000, micro_batch_size=micro, grad_accum_steps=accum,
-                               warmup=100)
+                               warmup=100, optimizer=optimizer)
         mcfg = ModelConfig(n_layer=LAYERS, n_head=HEADS, n_embd=WIDTH, seq_len=CONTEXT)
         self.model = Llama(mcfg, VOCAB)
         self.model.fused_loss = fused_loss

@@ -85,3 +85,33 @@ def test_train_command_exits_with_one_line_naming_the_check(inputs, monkeypatch,
     monkeypatch.setattr(llama, "linear_cross_entropy", lambda x, *a: x.sum() * float("nan"))
     with pytest.raises(LmforgeError, match=r"^train self-check failed: initial loss"):
         args.func(args)
+
+
+def test_an_optimizer_step_dearer_than_forward_and_backward_is_said_in_one_line(
+        inputs, monkeypatch):
+    """The self-check times a forward+backward and an optimizer step apart and warns
+    (passes, marked warn) when the step costs more: Muon's bf16 Newton-Schulz on a CPU
+    without bf16 units was 9x its forward+backward."""
+    import time
+
+    from lmforge.train import selfcheck
+
+    real = selfcheck.build_optimizer
+
+    def slow(*args, **kwargs):
+        opt = real(*args, **kwargs)
+        step = opt.step
+        opt.step = lambda: (time.sleep(0.3), step())[1]  # ~100x the tiny model's pass
+        return opt
+
+    params = tiny_params(optimizer="muon")
+    fast = self_check(params, open_data(inputs), "cpu")
+    cost = next(c for c in fast.checks if c.name == "optimizer step cost")
+    assert cost.ok and "forward+backward" in cost.detail
+    monkeypatch.setattr(selfcheck, "build_optimizer", slow)
+    report = self_check(params, open_data(inputs), "cpu")
+    assert report.ok and report.checks[-1].warn
+    (line,) = report.warnings()
+    assert line.startswith("train self-check: optimizer step cost: optimizer step 0.3")
+    assert "train.optimizer: adamw" in line and "\n" not in line
+    assert " warn " in report.table()

@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lmforge.errors import LmforgeError
 from lmforge.train.objectives import open_shard_data
-from lmforge.train.pipeline import TrainPaths, run_train_stage
-from lmforge.train.selfcheck import self_check
+from lmforge.train.pipeline import TrainPaths, run_self_check, run_train_stage
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -18,10 +16,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     params = load_params(args.params)
     paths = TrainPaths()
     if args.self_check:
-        report = self_check(params, open_shard_data(paths.train_shards, paths.val_shards))
-        print(report.table())
-        if not report.ok:
-            raise LmforgeError(report.error_line())
+        run_self_check(params, open_shard_data(paths.train_shards, paths.val_shards))
         return
     run_train_stage(params, paths)
 

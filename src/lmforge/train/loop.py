@@ -149,7 +149,7 @@ def _set_up(params: Params, vocab: int, data: TrainData, checkpoint_dir: Path,
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model, start_note = build_model(params, vocab, env, bf16, compile_blocks, tokenizer_sha256)
     # After sharding: an optimizer built before would hold the unsharded parameters.
-    optimizer = build_optimizer(model, cfg, device, log)
+    optimizer = build_optimizer(model, cfg, device, log, env.distributed)
     scaler = precision.grad_scaler()
     micro_batch, accum = cfg.micro_batch_size, cfg.grad_accum_steps
     if cfg.probe_micro_batch:

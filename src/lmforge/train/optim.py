@@ -7,6 +7,7 @@ optimizers are presented to the loop as one (:class:`CompositeOptimizer`): one
 ``param_groups``, ``step``, ``zero_grad`` and ``state_dict``, so accumulation, clipping,
 the non-finite guard, GradScaler, DDP and checkpoints work unchanged. Each group has its
 own peak learning rate (``max_lr`` or ``muon_lr``), both following the run's schedule.
+Muon's Newton-Schulz runs in the dtype that is fast on the device (:mod:`.muon`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lmforge.config import TrainConfig
+from lmforge.train.muon import Muon, newton_schulz_dtype
 from lmforge.train.schedule import lr_at
 
 # Devices with a fused AdamW kernel in torch >= 2.4.
@@ -119,8 +122,12 @@ class CompositeOptimizer:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device,
-                    log: Any = None) -> torch.optim.Optimizer | CompositeOptimizer:
+                    log: Any = None, distributed: bool = False
+                    ) -> torch.optim.Optimizer | CompositeOptimizer:
     """AdamW from ``cfg``, or (``optimizer: muon``) Muon and AdamW as one.
+
+    ``distributed``: every rank of the process group builds it together (DDP), so the
+    ranks agree on Muon's Newton-Schulz dtype (:func:`muon_dtype`).
 
     AdamW uses the fused kernel on CUDA and CPU: fused, the whole update is one pass over
     each parameter's memory; on a CPU the default per-op path makes ~10 passes and took
@@ -141,11 +148,32 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device,
                               eps=cfg.eps, fused=fused)
     if not matrices:
         return adamw
-    muon = torch.optim.Muon([p for _, p in matrices], lr=cfg.muon_lr,
-                            weight_decay=cfg.muon_weight_decay, momentum=cfg.muon_momentum,
-                            nesterov=True, adjust_lr_fn=cfg.muon_adjust_lr)
+    muon = Muon([p for _, p in matrices],
+                ns_dtype=muon_dtype(matrices, device, log, distributed),
+                lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay,
+                momentum=cfg.muon_momentum, nesterov=True, adjust_lr_fn=cfg.muon_adjust_lr)
     return CompositeOptimizer({"adamw": adamw, "muon": muon},
                               {"adamw": cfg.max_lr, "muon": cfg.muon_lr})
+
+
+def muon_dtype(matrices: list[tuple[str, nn.Parameter]], device: torch.device,
+               log: Any = None, distributed: bool = False) -> str:
+    """The Newton-Schulz dtype for this run's Muon matrices on ``device``
+    (:func:`~lmforge.train.muon.newton_schulz_dtype` at the largest matrix's shape).
+
+    Under DDP (``distributed``) every rank must orthogonalise alike or their weights
+    drift apart, and a timed probe may differ between ranks: rank 0's choice is
+    broadcast (on a GPU the choice is by capability, the same on every rank).
+    """
+    largest = max((p.shape for _, p in matrices), key=lambda s: s.numel())
+    name, why = newton_schulz_dtype(device, (int(largest[0]), int(largest[1])))
+    if distributed and device.type == "cpu":
+        flag = torch.tensor([name == "bfloat16"], dtype=torch.int32)
+        dist.broadcast(flag, src=0)
+        name = "bfloat16" if flag.item() else "float32"
+    if log is not None:
+        log(f"train: Muon orthogonalises in {name} ({why})")
+    return name
 
 
 def set_learning_rates(optimizer: Any, step: int, cfg: TrainConfig) -> dict[str, float]:

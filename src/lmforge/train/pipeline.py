@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmforge.config import Params
 from lmforge.errors import LmforgeError
@@ -22,6 +22,9 @@ from lmforge.train.runner import (
     write_curves,
 )
 from lmforge.train.selfcheck import self_check
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -58,7 +61,7 @@ def train_spec(paths: TrainPaths, module: str = "stages.train") -> StageSpec:
 
     def before_training(params: Params, data: TrainData, env: DistEnv) -> dict[str, Any]:
         if params.train.self_check and env.is_main:
-            _run_self_check(params, data, env)
+            run_self_check(params, data, env.device)
         special = special_ids(paths.tokenizer)
         return {"prompts": sample_prompts(paths.tokenizer, params.train.sample_prompts,
                                           special),
@@ -71,10 +74,13 @@ def train_spec(paths: TrainPaths, module: str = "stages.train") -> StageSpec:
                      open_data, write, before_training=before_training)
 
 
-def _run_self_check(params: Params, data: TrainData, env: DistEnv) -> None:
-    """The quick self-check before training; a failure stops the stage with one line."""
-    report = self_check(params, data, env.device)
+def run_self_check(params: Params, data: TrainData, device: torch.device | None = None
+                   ) -> None:
+    """The quick self-check: its table, a line per warning; a failure raises one line."""
+    report = self_check(params, data, device)
     print(report.table(), flush=True)
+    for line in report.warnings():
+        print(line, flush=True)
     if not report.ok:
         raise LmforgeError(report.error_line())
 

@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,7 @@ class Check:
     ok: bool
     detail: str
     seconds: float
+    warn: bool = False  # passed, but says something the user should act on
 
 
 @dataclass
@@ -61,9 +63,15 @@ class SelfCheckReport:
         width = max(len(c.name) for c in self.checks) if self.checks else 5
         lines = [f"{'check':<{width}}  result  {'time':>7}  detail"]
         for c in self.checks:
-            lines.append(f"{c.name:<{width}}  {'ok' if c.ok else 'FAIL':<6}  "
-                         f"{c.seconds:6.2f}s  {c.detail}")
+            result = "FAIL" if not c.ok else "warn" if c.warn else "ok"
+            lines.append(f"{c.name:<{width}}  {result:<6}  {c.seconds:6.2f}s  {c.detail}")
         return "\n".join(lines)
+
+    def warnings(self) -> list[str]:
+        """One line per passed check that warns (e.g. an optimizer step dearer than the
+        forward and backward it follows)."""
+        return [f"train self-check: {c.name}: {c.detail}" for c in self.checks
+                if c.ok and c.warn]
 
     def error_line(self) -> str:
         """One line naming the failed check (for the exit message)."""
@@ -88,15 +96,17 @@ def self_check(params: Params, data: TrainData, device: torch.device | str | Non
     device = resolve_device(str(device) if device is not None else params.train.device)
     report = SelfCheckReport()
     for name, check in _Checks(params, data, device).steps():
-        t0 = time.perf_counter()
+        t0, warn = time.perf_counter(), False
         try:
             detail, ok = check(), True
+        except _Warning as e:
+            detail, ok, warn = str(e), True, True
         except _Failed as e:
             detail, ok = str(e), False
         except Exception as e:  # any crash is a failed check, named, in one line
             first = str(e).splitlines()[0] if str(e) else ""
             detail, ok = f"{type(e).__name__}: {first}", False
-        report.checks.append(Check(name, ok, detail, time.perf_counter() - t0))
+        report.checks.append(Check(name, ok, detail, time.perf_counter() - t0, warn))
         if not ok:
             break
     return report
@@ -112,6 +122,7 @@ class _Checks:
         self.vocab = int(data.train.vocab_size)
         self.batches: list[tuple[torch.Tensor, ...]] = []
         self.model: Llama | None = None
+        self.optimizer: Any = None  # two_steps' optimizer, timed again by step_cost
 
     def steps(self) -> list[tuple[str, Callable[[], str]]]:
         """(name, check) in the order they run."""
@@ -122,7 +133,8 @@ class _Checks:
         if self.mcfg.doc_mask:
             steps.append(("document mask", self.document_mask))
         return steps + [("finite loss/grads", self.finite_grads),
-                        ("two optimizer steps", self.two_steps)]
+                        ("two optimizer steps", self.two_steps),
+                        ("optimizer step cost", self.step_cost)]
 
     def check_batches(self) -> str:
         doc_info = {"return_doc_info": True} if self.mcfg.doc_mask else {}
@@ -245,6 +257,7 @@ class _Checks:
         probe_lr = min(self.cfg.max_lr, 1e-4)
         optimizer = build_optimizer(model, dataclasses.replace(self.cfg, max_lr=probe_lr),
                                     self.device)
+        self.optimizer = optimizer
         scaler = self.precision.grad_scaler()
         before = [p.detach().clone() for p in model.parameters()]
         loader = _Repeat(self.batches[0])
@@ -265,6 +278,41 @@ class _Checks:
         _expect(after < losses[0], f"loss on the repeated batch went {losses[0]:.4f} -> "
                 f"{after:.4f} after two steps at lr {probe_lr:g}")
         return f"loss on a repeated batch {losses[0]:.4f} -> {after:.4f}"
+
+
+    def step_cost(self) -> str:
+        """One forward + backward of a micro-batch, then one ``optimizer.step()`` (the
+        third, so lazily built state is not counted), timed apart: a step that costs
+        more than the forward and backward it follows is worth a line (issue 43: Muon's
+        bf16 Newton-Schulz on a CPU without bf16 units took 9x the forward+backward)."""
+        model, b = self.model.train(), self.batches[0]
+        t0 = time.perf_counter()
+        with self.precision.autocast():
+            _, loss = model(b[0], b[1], positions=_positions(b))
+        loss.backward()
+        forward_backward = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.optimizer.step()
+        step = time.perf_counter() - t0
+        model.zero_grad(set_to_none=True)
+        detail = (f"optimizer step {step:.3f} s, forward+backward of a micro-batch "
+                  f"{forward_backward:.3f} s ({step / forward_backward:.2f}x)")
+        if step > forward_backward:
+            raise _Warning(f"{detail}: the optimizer costs more than the model; "
+                           f"{_slow_step_hint(self.cfg.optimizer, self.device)}")
+        return detail
+
+
+def _slow_step_hint(optimizer: str, device: torch.device) -> str:
+    """What to try when the optimizer step outweighs the forward and backward."""
+    if optimizer == "muon":
+        return ("Muon's Newton-Schulz is slow on this device (see docs/training.md, "
+                "'Muon'); train.optimizer: adamw avoids it")
+    return f"check train.optimizer and the threads on {device}"
+
+
+class _Warning(Exception):
+    """A check passed but has something to say (the report's detail, marked warn)."""
 
 
 class _Failed(Exception):

@@ -1,0 +1,139 @@
+"""Muon's optimizer step on this CPU: lmforge's (Newton-Schulz in the probed dtype) vs
+``torch.optim.Muon`` (always bf16) vs AdamW, against the forward+backward it follows.
+
+At the demo's shape (4 layers x 256, vocab 8192, context 256, micro-batch 8, fp32) in one
+process, interleaved rounds, best round of each:
+
+* ``forward+backward``: one micro-batch's forward and backward (eager);
+* ``step``: ``optimizer.step()`` alone on those gradients, for AdamW (fused), torch's Muon
+  and lmforge's Muon (its Newton-Schulz dtype chosen by :func:`newton_schulz_dtype`);
+* ``train``: whole optimizer steps as the train stage takes them (``optimizer_step``,
+  compiled where the demo compiles), tokens/s, for AdamW, torch's Muon and lmforge's.
+
+Issue 43's targets: on a CPU without bf16 units, lmforge's Muon step <= 0.5x the
+forward+backward and its train tokens/s within 15 % of AdamW's. Such a CPU can be
+imitated on one with bf16 units by capping the kernels (check the bf16/fp32 ratio it
+prints: it must be far above 1 for the cap to mean anything):
+
+    .venv/bin/python bench/bench_muon.py [--rounds 5] [--json out.json]
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 .venv/bin/python bench/bench_muon.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_train import CONTEXT, LAYERS, VOCAB, WIDTH, Ours, make_data, timed
+
+from lmforge.train.compiler import resolve_compile
+from lmforge.train.muon import probe_seconds, newton_schulz_dtype
+from lmforge.train.optim import muon_parameters
+
+MICRO = 8
+
+
+def with_torch_muon(trainer: Ours) -> Ours:
+    """The same trainer with its Muon part replaced by ``torch.optim.Muon`` (bf16)."""
+    cfg, muon = trainer.cfg, trainer.opt.parts["muon"]
+    trainer.opt.parts["muon"] = torch.optim.Muon(
+        [p for _, p in muon_parameters(trainer.model)], lr=cfg.muon_lr,
+        weight_decay=cfg.muon_weight_decay, momentum=cfg.muon_momentum, nesterov=True,
+        adjust_lr_fn=cfg.muon_adjust_lr)
+    assert len(trainer.opt.parts["muon"].param_groups) == len(muon.param_groups)
+    return trainer
+
+
+def forward_backward(trainer: Ours) -> float:
+    """Seconds of one micro-batch's forward and backward (gradients left in place)."""
+    x, y = (torch.as_tensor(t) for t in trainer.loader.next_batch()[:2])
+    trainer.model.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    _, loss = trainer.model(x, y)
+    loss.backward()
+    return time.perf_counter() - t0
+
+
+def step_only(trainer: Ours) -> float:
+    """Seconds of ``optimizer.step()`` on the gradients ``forward_backward`` left."""
+    t0 = time.perf_counter()
+    trainer.opt.step()
+    return time.perf_counter() - t0
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Every figure, interleaved over ``args.rounds`` rounds; the best round of each."""
+    compiled = resolve_compile("auto", torch.device("cpu"))[0]
+    tokens = MICRO * CONTEXT
+    with tempfile.TemporaryDirectory() as tmp:
+        shards, _ = make_data(Path(tmp), 1_000_000)
+        eager = {"adamw": Ours(shards, MICRO, 1, "fp32", False),
+                 "lmforge muon": Ours(shards, MICRO, 1, "fp32", False, optimizer="muon"),
+                 "torch muon": with_torch_muon(Ours(shards, MICRO, 1, "fp32", False,
+                                                    optimizer="muon"))}
+        train = {name: Ours(shards, MICRO, 1, "fp32", compiled,
+                            optimizer="adamw" if name == "adamw" else "muon")
+                 for name in eager}
+        with_torch_muon(train["torch muon"])
+        for t in train.values():  # compile, settle, build optimizer state
+            timed(t, args.warmup)
+        for t in eager.values():
+            forward_backward(t)
+            step_only(t)
+        fb, step, train_s = [], {n: [] for n in eager}, {n: [] for n in train}
+        for r in range(args.rounds):
+            names = list(eager) if r % 2 == 0 else list(eager)[::-1]
+            for name in names:
+                fb.append(forward_backward(eager[name]))
+                step[name].append(step_only(eager[name]))
+                train_s[name].append(timed(train[name], args.steps))
+    shape = max((p.shape for _, p in muon_parameters(eager["adamw"].model)),
+                key=lambda s: s.numel())
+    dtype, why = newton_schulz_dtype(torch.device("cpu"), tuple(shape))
+    bf16, fp32 = probe_seconds(tuple(sorted(int(n) for n in shape)), torch.get_num_threads())
+    return {"machine": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(), "compiled": compiled,
+            "shape": f"{LAYERS}x{WIDTH}, vocab {VOCAB}, {MICRO}x{CONTEXT}",
+            "ns_dtype": dtype, "why": why, "probe_bf16_over_fp32": bf16 / fp32,
+            "forward_backward_s": min(fb),
+            "step_s": {n: min(v) for n, v in step.items()},
+            "train_tokens_per_s": {n: tokens / min(v) for n, v in train_s.items()}}
+
+
+def report(r: dict) -> None:
+    """The figures and the ratios issue 43 asks for."""
+    fb = r["forward_backward_s"]
+    print(f"{r['machine']} threads={r['threads']} {r['shape']} compiled={r['compiled']}; "
+          f"lmforge's Muon orthogonalises in {r['ns_dtype']} ({r['why']})")
+    print(f"forward+backward of a micro-batch: {fb:.3f} s")
+    for name, s in r["step_s"].items():
+        print(f"  step {name:13s} {s:8.4f} s  = {s / fb:6.2f}x forward+backward")
+    tps = r["train_tokens_per_s"]
+    for name, v in tps.items():
+        print(f"  train {name:12s} {v:8,.0f} tokens/s = {v / tps['adamw']:.2f}x AdamW")
+    print(f"lmforge Muon step / torch Muon step: "
+          f"{r['step_s']['lmforge muon'] / r['step_s']['torch muon']:.3f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=2, help="train steps per round")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    result = measure(args)
+    report(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
