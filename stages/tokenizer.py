@@ -7,7 +7,7 @@ from pathlib import Path
 from lmforge.config import Params
 from lmforge.io import write_json
 from lmforge.stage import run_stage
-from lmforge.tokenizer.build import build_tokenizer
+from lmforge.tokenizer.build import build_tokenizer, summary
 
 
 def main(params: Params) -> None:
@@ -15,11 +15,7 @@ def main(params: Params) -> None:
     metrics = build_tokenizer(root / "data/mixed/train", root / "data/mixed/val",
                               root / "models/tokenizer", params.tokenizer)
     write_json(root / "metrics/tokenizer.json", metrics)
-    origin = (f"reused {metrics['init_from']}" if metrics.get("init_from")
-              else f"trained in {metrics['train_seconds']} s")
-    print(f"tokenizer: vocab {metrics['vocab_size']}, {metrics['merges_learned']} merges, "
-          f"alphabet {metrics['alphabet_size']}, {metrics['chars_per_token']['all']} chars/token, "
-          f"lossless={metrics['lossless']}, {origin}")
+    print(summary(metrics))
 
 
 if __name__ == "__main__":

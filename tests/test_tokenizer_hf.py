@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -30,7 +31,7 @@ from lmforge.model import load_model
 from lmforge.shards.build import build_shards
 from lmforge.shards.loader import ShardSet
 from lmforge.tokenizer import Tokenizer
-from lmforge.tokenizer.build import build_tokenizer
+from lmforge.tokenizer.build import build_tokenizer, summary
 from lmforge.tokenizer.files import tokenizer_sha256
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,6 +156,60 @@ def test_init_from_copies_an_hf_tokenizer_and_reports_its_round_trip(tmp_path, n
     assert m["lossless"] is (not nfc)
     assert m.get("normalizer") == ("NFC" if nfc else None)
     assert ("NFC" in m["lossy"]) if nfc else "lossy" not in m
+
+
+def _unigram_json(out: Path) -> Path:
+    """A tokenizer.json whose model is a Unigram: no merge list."""
+    from tokenizers import models, trainers
+
+    rust = RustTokenizer(models.Unigram())
+    rust.train_from_iterator(HARD_TEXTS * 20, trainers.UnigramTrainer(
+        vocab_size=120, unk_token="<unk>", special_tokens=["<unk>"], show_progress=False))
+    out.mkdir(parents=True)
+    rust.save(str(out / "tokenizer.json"))
+    return out
+
+
+def test_an_imported_tokenizer_reports_only_what_is_true_of_it(tmp_path):
+    # Its real vocabulary and merge list, the params the import reads; none of the unused
+    # sentencepiece settings (vocab_size 8192 ...) and no "merges learned" here.
+    source = build(tmp_path / "base", style="qwen2")
+    mixed = write_val(tmp_path / "mixed", HARD_TEXTS[:-2])
+    cfg = TokenizerConfig(init_from=str(source), num_threads=1)
+    m = build_tokenizer(mixed / "train", mixed / "val", tmp_path / "out", cfg)
+    spec = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
+    assert m["params"] == {"init_from": str(source), "num_threads": 1}
+    assert m["vocab_size"] == Tokenizer.load(source).vocab_size != cfg.vocab_size
+    assert m["merges"] == len(spec["model"]["merges"]) > 0
+    assert "merges_learned" not in m
+    # A Unigram tokenizer.json has no merges: none are reported.
+    unigram = build_tokenizer(mixed / "train", mixed / "val", tmp_path / "out_u",
+                              TokenizerConfig(init_from=str(_unigram_json(tmp_path / "u")),
+                                              num_threads=1))
+    assert "merges" not in unigram and "merges_learned" not in unigram
+    assert unigram["vocab_size"] == Tokenizer.load(tmp_path / "u").vocab_size
+
+
+@pytest.mark.parametrize("model_type", ["bpe", "unigram"])
+def test_an_imported_sentencepiece_model_reports_its_merges_only_if_bpe(tmp_path, model_type):
+    rng = random.Random(0)  # enough distinct words for a unigram model of 400 pieces
+    words = ["".join(rng.choices("abcdefghijklmnop", k=rng.randint(2, 7))) for _ in range(300)]
+    texts = [" ".join(rng.choices(words, k=40)) for _ in range(400)] + HARD_TEXTS[:-2]
+    mixed = write_val(tmp_path / "mixed", texts)
+    cfg = TokenizerConfig(model_type=model_type, vocab_size=400, num_threads=1)
+    trained = build_tokenizer(mixed / "train", mixed / "val", tmp_path / "trained", cfg)
+    imported = build_tokenizer(mixed / "train", mixed / "val", tmp_path / "out",
+                               TokenizerConfig(init_from=str(tmp_path / "trained"),
+                                               num_threads=1))
+    assert imported["sha256"] == trained["sha256"]
+    assert imported["params"] == {"init_from": str(tmp_path / "trained"), "num_threads": 1}
+    assert "merges_learned" not in imported
+    if model_type == "bpe":  # sentencepiece's BPE: one multi-character piece per merge
+        assert imported["merges"] == trained["merges_learned"] > 0
+        assert f", {imported['merges']} merges," in summary(imported)
+    else:
+        assert "merges" not in imported and "merges" not in summary(imported)
+    assert f", {trained['merges_learned']} merges," in summary(trained)
 
 
 # ------------------------------------------------------------------ data stages

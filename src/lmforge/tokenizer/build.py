@@ -13,6 +13,7 @@ from lmforge.io import atomic_dir
 from lmforge.tokenizer import Tokenizer
 from lmforge.tokenizer.corpus import list_parts
 from lmforge.tokenizer.files import copy_tokenizer, locate_tokenizer
+from lmforge.tokenizer.hf import HFTokenizer
 from lmforge.tokenizer.report import heldout_stats, vocab_stats
 from lmforge.tokenizer.sample import balanced_sample
 from lmforge.tokenizer.spm import SentencePieceTokenizer
@@ -69,9 +70,51 @@ def _reuse_tokenizer(source: str, val_dir: str | Path, out_dir: str | Path,
         with atomic_dir(out_dir) as tmp:
             copy_tokenizer(path, tmp)
         metrics = _score(Tokenizer.load(out_dir), val_parts, cfg)
-    metrics.update({"init_from": str(path), "sample": None, "sample_seconds": 0.0,
+    return _imported_metrics(metrics, tok, path, cfg)
+
+
+def _imported_metrics(metrics: dict[str, Any], tok: Tokenizer, path: Path,
+                      cfg: TokenizerConfig) -> dict[str, Any]:
+    """What is true of an imported tokenizer: only the params the import reads (the
+    training settings are unused), and its merges only where it has a merge list."""
+    # Multi-character pieces are merges learned only for a BPE trained here; an imported
+    # vocabulary's other multi-character pieces may be added tokens or unigram pieces.
+    metrics.pop("merges_learned")
+    merges = imported_merges(tok)
+    if merges is not None:
+        metrics["merges"] = merges
+    metrics.update({"params": {"init_from": cfg.init_from, "num_threads": cfg.num_threads},
+                    "init_from": str(path), "sample": None, "sample_seconds": 0.0,
                     "train_seconds": 0.0})
     return metrics
+
+
+def imported_merges(tok: Tokenizer) -> int | None:
+    """The merges of a BPE tokenizer: a tokenizer.json's merge list, or a sentencepiece
+    BPE model's merged (multi-character normal) pieces; None for any other model."""
+    if isinstance(tok, SentencePieceTokenizer):
+        proto = tok.proto
+        if proto.trainer_spec.model_type != proto.trainer_spec.BPE:
+            return None
+        # sentencepiece's BPE adds one normal piece per merge; user-defined pieces are
+        # another type, and single characters are its alphabet.
+        return sum(p.type == p.NORMAL and len(p.piece) > 1 for p in proto.pieces)
+    model = (tok.spec.get("model") or {}) if isinstance(tok, HFTokenizer) else {}
+    if model.get("type") != "BPE" or not model.get("merges"):
+        return None
+    return len(model["merges"])
+
+
+def summary(metrics: dict[str, Any]) -> str:
+    """The stage's one line: vocabulary, merges where the tokenizer has them, compression."""
+    if metrics.get("init_from"):  # an import has merges only if it is a BPE
+        merges, origin = metrics.get("merges"), f"reused {metrics['init_from']}"
+    else:
+        merges, origin = metrics["merges_learned"], f"trained in {metrics['train_seconds']} s"
+    return (f"tokenizer: vocab {metrics['vocab_size']}"
+            + ("" if merges is None else f", {merges} merges")
+            + f", alphabet {metrics['alphabet_size']}, {metrics['chars_per_token']['all']} "
+              f"chars/token, lossless={metrics['lossless']}, {origin}")
 
 
 def _write_and_score(model: bytes, val_parts: list[Path], out_dir: str | Path,
@@ -88,7 +131,7 @@ def _score(tok: Tokenizer, val_parts: list[Path], cfg: TokenizerConfig) -> dict[
     held = heldout_stats(tok, val_parts, cfg.num_threads)
     failures = held["all"]["roundtrip_failures"]
     return {
-        "params": section_dict(cfg),
+        "params": section_dict(cfg),  # an import keeps only the keys it reads
         "backend": tok.backend,
         "sha256": tok.sha256,
         "vocab_size": tok.vocab_size,
