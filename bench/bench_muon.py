@@ -32,7 +32,7 @@ import torch
 from bench_train import CONTEXT, LAYERS, VOCAB, WIDTH, Ours, make_data, timed
 
 from lmforge.train.compiler import resolve_compile
-from lmforge.train.muon import probe_seconds, newton_schulz_dtype
+from lmforge.train.muon import newton_schulz_dtype, probe_seconds
 from lmforge.train.optim import muon_parameters
 
 MICRO = 8

@@ -393,8 +393,10 @@ def test_a_hugging_face_folder_is_sent_to_import_hf_in_one_line(tmp_path, capsys
 
     hf_dir = hf_chat_model(tmp_path)
     capsys.readouterr()  # transformers' progress bars
+    # Every command that loads a model says so, not only the exports.
     for argv in (["export", "gguf", str(tmp_path / "m.gguf")],
-                 ["export", "hf", str(tmp_path / "out")]):
+                 ["export", "hf", str(tmp_path / "out")],
+                 ["generate", "Hello"], ["chat", "-m", "Hello"]):
         with pytest.raises(SystemExit):
             main([*argv, "--model", str(hf_dir)])
         err = capsys.readouterr().err

@@ -361,3 +361,26 @@ def test_an_open_chat_model_goes_out_stopping_at_its_end_of_turn(tmp_path, eos):
         reply = model.generate(**prompt, max_new_tokens=8, do_sample=False,
                                sequence_bias={(end,): 100.0})[0, n:].tolist()
     assert reply == [end]
+
+
+def test_a_fine_tune_of_an_imported_chat_model_keeps_its_generation_defaults(tmp_path):
+    """The pipeline's path: the tokenizer stage copies the imported model's tokenizer
+    files (init_from) into models/tokenizer, a training stage saves its weights beside
+    that copy, and the export of the fine-tune has the source's sampling defaults."""
+    from open_chat_models import chat_model, generation_config, token_ids
+
+    from lmforge.model.saved import load_model, save_model
+    from lmforge.tokenizer.files import copy_tokenizer
+
+    base = chat_model(tmp_path, generation=True)
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    assert "generation_config.json" in copy_tokenizer(base, tokenizer)
+    model, config = load_model(base)
+    save_model(model, tmp_path / "sft", tokenizer, special_ids=config["special_ids"],
+               tokenizer_sha256=config["tokenizer_sha256"])
+    out = export_hf(tmp_path / "sft", tmp_path / "out")
+    gen = json.loads((out / "generation_config.json").read_text())
+    source = generation_config("qwen2.5", token_ids(base))
+    assert {k: gen.get(k) for k in source} == source
+    assert gen["temperature"] == 0.7 and gen["eos_token_id"][0] == token_ids(base)["<|im_end|>"]

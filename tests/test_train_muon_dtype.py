@@ -15,8 +15,8 @@ import sys
 
 import pytest
 import torch
-from test_train_muon import NS, known_matrix, muon_cfg, ns_reference, tiny_model
 from test_train_loop import REPO
+from test_train_muon import NS, known_matrix, muon_cfg, ns_reference, tiny_model
 
 from lmforge.train import muon as muon_module
 from lmforge.train.muon import Muon, newton_schulz_dtype, orthogonalize

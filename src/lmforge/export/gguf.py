@@ -31,7 +31,7 @@ from lmforge.export.gguf_tensors import (
     write_hparams,
 )
 from lmforge.export.gguf_vocab import read_vocab, write_vocab
-from lmforge.export.hf import model_tokenizer, refuse_hf_folder
+from lmforge.export.hf import model_tokenizer
 from lmforge.io import atomic_path
 from lmforge.model.saved import load_model, model_state
 
@@ -52,7 +52,6 @@ def export_gguf(model_dir: str | Path, out_path: str | Path, *, qtype: str = "f3
         raise InputError(f"--type {qtype}: not one of {', '.join(TYPES)}")
     mfile = modelfile_path(out_path)
     _check_writable(out_path, mfile, force)
-    refuse_hf_folder(model_dir)
     model, config = load_model(model_dir)
     cfg = model.config
     arch = gguf_arch(cfg)  # refuse before reading the tokenizer or writing anything

@@ -65,7 +65,6 @@ def export_hf(model_dir: str | Path, out_dir: str | Path, *, force: bool = False
     export/import, or when ``force`` is set.
     """
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    refuse_hf_folder(model_dir)
     _check_writable(out_dir, model_dir, force)
     model, config = load_model(model_dir)
     tok_path = model_tokenizer(model_dir, config)
@@ -81,28 +80,17 @@ def export_hf(model_dir: str | Path, out_dir: str | Path, *, force: bool = False
     with atomic_dir(out_dir) as tmp:
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
         write_json(tmp / CONFIG, hf_config)
-        _write_generation_config(tmp, model_dir, generation)
         if is_hf_file(tok_path):  # a model's own tokenizer goes out as it came in
             copy_tokenizer(tok_path, tmp)
         else:
             write_hf_tokenizer(tok_path, tmp, special, model.config.seq_len,
                                chat_template=chat.template if chat is not None else None)
+        # After the tokenizer's files, which include the source's generation_config.json:
+        # this one adds the stop ids it may lack.
+        _write_generation_config(tmp, model_dir, generation)
         _write_marker(tmp, "export hf", model_dir,
                       tokenizer="hf" if is_hf_file(tok_path) else "sentencepiece")
     return out_dir
-
-
-def refuse_hf_folder(model_dir: Path) -> None:
-    """One line sending a Hugging Face folder (config.json with ``model_type``, not our
-    ``model`` section) to ``import hf``, before it fails as "bad model config"."""
-    try:
-        config = json.loads((model_dir / CONFIG).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return  # not that case: load_model says what is wrong
-    if isinstance(config, dict) and "model" not in config and (
-            "model_type" in config or "architectures" in config):
-        raise InputError(f"{model_dir} is a Hugging Face folder; import it with `lmforge "
-                         f"import hf {model_dir} --out DIR` first, then export DIR")
 
 
 def model_tokenizer(model_dir: Path, config: dict[str, Any]) -> Path:

@@ -93,6 +93,7 @@ def read_config(directory: str | os.PathLike) -> tuple[ModelConfig, int, dict[st
     """A model directory's ``config.json``, checked: (model config, vocab size, the dict)."""
     cfg_path = Path(directory) / CONFIG
     config = read_json_object(cfg_path, "no model config (run the train stage)")
+    refuse_hf_config(Path(directory), config)
     try:
         model_cfg = from_dict(ModelConfig, config["model"], "model.")
         model_cfg.validate()
@@ -100,6 +101,15 @@ def read_config(directory: str | os.PathLike) -> tuple[ModelConfig, int, dict[st
     except (KeyError, TypeError, ValueError, ConfigError) as e:
         raise InputError(f"{cfg_path}: bad model config ({e})") from None
     return model_cfg, vocab_size, config
+
+
+def refuse_hf_config(directory: Path, config: dict[str, Any]) -> None:
+    """One line sending a Hugging Face folder (a config.json with ``model_type`` or
+    ``architectures``, not lmforge's ``model`` section) to ``import hf``, rather than
+    "bad model config ('model')" from every command that loads a model."""
+    if "model" not in config and ("model_type" in config or "architectures" in config):
+        raise InputError(f"{directory} is a Hugging Face folder; import it with `lmforge "
+                         f"import hf {directory} --out DIR` first, then use DIR")
 
 
 def load_checkpoint_model(path: str | os.PathLike, device: str | torch.device = "cpu"

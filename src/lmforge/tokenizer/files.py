@@ -19,8 +19,11 @@ SP_FILE = "tokenizer.model"
 HF_FILE = "tokenizer.json"
 # Kept beside tokenizer.json and copied with it, as they are (whichever exist).
 # tokenizer.model too: folders such as Mistral's ship both, and transformers reads the json.
+# generation_config.json: the model's sampling defaults and stop ids travel with its
+# tokenizer and chat template, so a fine-tune of an imported model exports them as they
+# came in (the tokenizer stage's copy is what save_model puts beside trained weights).
 HF_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                 SP_FILE)
+                 "generation_config.json", SP_FILE)
 
 
 def find_tokenizer(path: str | Path) -> Path | None:
