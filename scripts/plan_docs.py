@@ -39,9 +39,9 @@ def run(command: str) -> str:
 def cell(shape: str, mode: str, device: str, gib: float) -> dict:
     """What ``lmforge plan --mode M --shape S [--device D] --device-gb G --json`` reports,
     from the function the command calls (the test checks a cell against the command)."""
-    from lmforge.train import finetune_plan as fp
+    from lmforge.plan import finetune_plan, preset_tune
 
-    return fp.finetune_plan(fp.preset_tune(shape, mode, device), gib, 1)
+    return finetune_plan(preset_tune(shape, mode, device), gib, 1)
 
 
 def matrix() -> str:

@@ -18,8 +18,9 @@ from lmforge.cli import main
 from lmforge.config import ModelConfig
 from lmforge.model.llama import Llama
 from lmforge.model.lora import apply_lora, lora_modules, trainable_parameters
-from lmforge.train import finetune_plan as fp
-from lmforge.train import plan as pl
+from lmforge.plan import finetune as ft
+from lmforge.plan import pretrain as pre
+from lmforge.plan import shapes as sh
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -29,15 +30,15 @@ PUBLISHED = {"1b": 1_235_814_400, "3b": 3_212_749_824, "7b": 6_738_415_616,
 
 
 def preset(key: str) -> tuple[ModelConfig, int]:
-    shape = pl.SHAPES[key]
+    shape = sh.SHAPES[key]
     cfg = ModelConfig(**{k: v for k, v in shape.items() if k not in ("vocab", "name")})
     return cfg, shape["vocab"]
 
 
-def tune(key: str, mode: str = "lora", rank: int = 8, targets=fp.BLOCK_TARGETS,
-         precision: str = "bf16", ac: bool = False, device: str = "cuda") -> fp.Tune:
+def tune(key: str, mode: str = "lora", rank: int = 8, targets=ft.BLOCK_TARGETS,
+         precision: str = "bf16", ac: bool = False, device: str = "cuda") -> ft.Tune:
     cfg, vocab = preset(key)
-    return fp.Tune(pl.Setup(cfg, vocab, precision, activation_checkpointing=ac), mode,
+    return ft.Tune(sh.Setup(cfg, vocab, precision, activation_checkpointing=ac), mode,
                    rank, tuple(targets), device)
 
 
@@ -47,7 +48,7 @@ def tune(key: str, mode: str = "lora", rank: int = 8, targets=fp.BLOCK_TARGETS,
 @pytest.mark.parametrize("key", list(PUBLISHED))
 def test_presets_count_like_the_module_and_the_published_models(key):
     cfg, vocab = preset(key)
-    assert pl.num_params(cfg, vocab) == PUBLISHED[key]
+    assert sh.num_params(cfg, vocab) == PUBLISHED[key]
     with torch.device("meta"):
         assert Llama(cfg, vocab).num_params() == PUBLISHED[key]
 
@@ -60,13 +61,13 @@ def test_frozen_base_and_adapters_of_a_real_module_on_meta(key):
         model = Llama(cfg, vocab)
         apply_lora(model, 16, 32.0, 0.0, ["attn", "mlp"])
     frozen = [p for p in model.parameters() if not p.requires_grad]
-    assert trainable_parameters(model) == fp.adapter_params(t)
-    assert fp.weight_rows(t)["weights"] == 2 * sum(p.numel() for p in frozen)
+    assert trainable_parameters(model) == ft.adapter_params(t)
+    assert ft.weight_rows(t)["weights"] == 2 * sum(p.numel() for p in frozen)
     # QLoRA: the block Linears' weights in NF4, the rest (embedding, norms, biases, head) bf16.
     linears = [m.base.weight for m in lora_modules(model).values()]
     assert len(linears) == 7 * cfg.n_layer
-    q = fp.weight_rows(dataclasses.replace(t, mode="qlora"))
-    assert q["weights"] == sum(fp.nf4_bytes(w.numel()) for w in linears)
+    q = ft.weight_rows(dataclasses.replace(t, mode="qlora"))
+    assert q["weights"] == sum(ft.nf4_bytes(w.numel()) for w in linears)
     assert q["weights_16"] == 2 * (sum(p.numel() for p in frozen)
                                    - sum(w.numel() for w in linears))
 
@@ -76,7 +77,7 @@ def test_8b_lora_rows_by_hand():
     P = 8_030_261_248
     n = L * r * ((d + d) + 2 * (d + kv) + (d + d) + 3 * (d + F))  # wq wk wv wo w1 w3 w2
     assert n == 20_971_520
-    rows = fp.rows_bytes(tune("8b"), 1)
+    rows = ft.rows_bytes(tune("8b"), 1)
     assert (rows["weights"], rows["adapters"], rows["grads"], rows["optimizer"],
             rows["adapter_casts"]) == (2 * P, 4 * n, 4 * n, 8 * n, 2 * n)
     assert "weight_copies" not in rows  # frozen q|k|v and gate|up run as separate GEMMs
@@ -86,7 +87,7 @@ def test_8b_lora_rows_by_hand():
     assert rows["loss_buffers"] == 6 * chunk * V
     # NF4: 4.127 bits a weight; per matrix N/2 + N/64 + 2N/16384 + 2 + 32 bytes.
     linear = L * (d * d + 2 * d * kv + d * d + 3 * d * F)
-    q = fp.rows_bytes(tune("8b", "qlora"), 1)
+    q = ft.rows_bytes(tune("8b", "qlora"), 1)
     assert q["weights"] == linear // 2 + linear // 64 + 2 * linear // 16384 + 7 * L * 34
     assert q["weights_16"] == 2 * (P - linear)
     assert "weight_copies" not in q and q["dequant"] == 14 * d * F
@@ -111,8 +112,8 @@ def test_lora_states_of_a_real_cpu_module():
                       tie_embeddings=False)
     vocab = 512
     model = _tiny_lora(cfg, vocab, ["attn", "mlp"])
-    t = fp.Tune(pl.Setup(cfg, vocab, "bf16"), "lora", 4, fp.BLOCK_TARGETS)
-    rows = fp.rows_bytes(t, 1)
+    t = ft.Tune(sh.Setup(cfg, vocab, "bf16"), "lora", 4, ft.BLOCK_TARGETS)
+    rows = ft.rows_bytes(t, 1)
     frozen = [p for p in model.parameters() if not p.requires_grad]
     adapters = [p for p in model.parameters() if p.requires_grad]
     assert {p.dtype for p in frozen} == {torch.bfloat16}
@@ -149,7 +150,7 @@ def test_nf4_bytes_equal_torchaos_tensor(shape):
     t = nf4.to_nf4(torch.randn(*shape, dtype=torch.bfloat16))
     names, _ = t.__tensor_flatten__()
     held = sum(getattr(t, n).untyped_storage().nbytes() for n in names)
-    assert held == fp.nf4_bytes(shape[0] * shape[1])
+    assert held == ft.nf4_bytes(shape[0] * shape[1])
 
 
 def test_nf4_dequantization_peak_is_planned():
@@ -176,13 +177,13 @@ def test_nf4_dequantization_peak_is_planned():
     weight = nf4.to_nf4(torch.randn(1024, 512, dtype=torch.bfloat16))
     with Live() as live:
         weight.get_original_weight()
-    assert fp.NF4_DEQUANT_BYTES <= live.peak / weight.numel() < fp.NF4_DEQUANT_BYTES + 0.1
+    assert ft.NF4_DEQUANT_BYTES <= live.peak / weight.numel() < ft.NF4_DEQUANT_BYTES + 0.1
 
 
 def test_nf4_needs_a_scaler_block_that_divides():
-    assert fp.nf4_bytes(64 * 100) == 64 * 100 // 2 + 100 + 2 * (100 + 1 + 16)
+    assert ft.nf4_bytes(64 * 100) == 64 * 100 // 2 + 100 + 2 * (100 + 1 + 16)
     with pytest.raises(Exception, match="no NF4 scaler block"):
-        fp.nf4_bytes(64 * 257)
+        ft.nf4_bytes(64 * 257)
 
 
 # --------------------------------------------------------------------------- vs autograd
@@ -216,12 +217,12 @@ def _unsaved_first_casts(cfg: ModelConfig, rank: int, targets: tuple[str, ...]) 
     gate = "w1" in targets or "w3" in targets
     idle = {"wq", "wk", "wv"} | ({"wo"} if not qkv else set()) | (
         {"w1", "w3"} if not attn else set()) | ({"w2"} if not (attn or gate) else set())
-    shapes = fp.linear_shapes(cfg)
+    shapes = sh.linear_shapes(cfg)
     return sum(2 * rank * shapes[t][1] for t in targets if t in idle)
 
 
 @pytest.mark.parametrize("kv", [None, 2])
-@pytest.mark.parametrize("targets", [fp.BLOCK_TARGETS, ("wq", "wk", "wv", "wo"),
+@pytest.mark.parametrize("targets", [ft.BLOCK_TARGETS, ("wq", "wk", "wv", "wo"),
                                      ("w1", "w2", "w3"), ("wo",), ("wv", "w2")])
 def test_lora_activations_match_what_autograd_saves(kv, targets):
     """A bf16 frozen base with fp32 adapters under bf16 autocast, as the LoRA run holds it."""
@@ -237,13 +238,13 @@ def test_lora_activations_on_an_fp32_base():
 def _check_saved(cfg: ModelConfig, targets, precision: str) -> None:
     vocab, seq, d, rank = 512, cfg.seq_len, cfg.n_embd, 4
     model = _tiny_lora(cfg, vocab, targets, rank, precision)
-    t = fp.Tune(pl.Setup(cfg, vocab, precision), "lora", rank, tuple(targets))
-    a = fp.base_bytes(precision)
+    t = ft.Tune(sh.Setup(cfg, vocab, precision), "lora", rank, tuple(targets))
+    a = ft.base_bytes(precision)
     one, two = (_saved_bytes(model, vocab, b, precision) for b in (1, 2))
     # Alive but not saved per token: the token ids (the embedding is frozen) and the final
     # norm's output (the fused loss keeps its gradient instead).
-    assert two - one == fp.lora_activation_bytes_per_seq(t) - seq * (8 + a * d)
-    rows = fp.rows_bytes(t, 1)
+    assert two - one == ft.lora_activation_bytes_per_seq(t) - seq * (8 + a * d)
+    rows = ft.rows_bytes(t, 1)
     # Saved once: the adapters' bf16 casts and the loss's 1/count; no joined copy of the
     # frozen q|k|v or gate|up weights (fused_linear runs frozen groups as separate GEMMs).
     unsaved = _unsaved_first_casts(cfg, rank, tuple(targets)) if precision == "bf16" else 0
@@ -253,13 +254,13 @@ def _check_saved(cfg: ModelConfig, targets, precision: str) -> None:
 
 def test_lora_keeps_less_than_pretraining_and_checkpointing_keeps_least():
     t = tune("8b")
-    full = fp.activation_bytes_per_seq(dataclasses.replace(t, mode="full"))
-    lora = fp.activation_bytes_per_seq(t)
-    ac = fp.activation_bytes_per_seq(dataclasses.replace(
+    full = ft.activation_bytes_per_seq(dataclasses.replace(t, mode="full"))
+    lora = ft.activation_bytes_per_seq(t)
+    ac = ft.activation_bytes_per_seq(dataclasses.replace(
         t, setup=dataclasses.replace(t.setup, activation_checkpointing=True)))
     assert ac < lora < full
     # QLoRA keeps the same activations; only its weights differ.
-    assert fp.activation_bytes_per_seq(dataclasses.replace(t, mode="qlora")) == lora
+    assert ft.activation_bytes_per_seq(dataclasses.replace(t, mode="qlora")) == lora
 
 
 # --------------------------------------------------------------------------- plans
@@ -267,39 +268,39 @@ def test_lora_keeps_less_than_pretraining_and_checkpointing_keeps_least():
 
 def test_full_mode_is_the_pretraining_plan_on_one_device():
     t = tune("3b", "full")
-    p = fp.finetune_plan(t, 80, 2)
+    p = ft.finetune_plan(t, 80, 2)
     setup = dataclasses.replace(t.setup, world=1)
-    ref = pl.plan(setup, 80, 2)["ddp"]
+    ref = pre.plan(setup, 80, 2)["ddp"]
     assert p["no_ac"]["total"] == ref["total"] and p["no_ac"]["max_micro_batch"] == ref[
         "max_micro_batch"]
     assert p["no_ac"]["weights"] + p["no_ac"]["grads"] + p["no_ac"]["optimizer"] == 16 * (
         PUBLISHED["3b"])
 
 
-@pytest.mark.parametrize("mode", fp.MODES)
-@pytest.mark.parametrize("device", fp.DEVICES)
+@pytest.mark.parametrize("mode", ft.MODES)
+@pytest.mark.parametrize("device", ft.DEVICES)
 def test_fitted_micro_batch_is_the_largest_within_budget(mode, device):
     for key in ("1b", "8b"):
         for gib in (24, 48, 80, 256):
-            p = fp.finetune_plan(tune(key, mode, device=device), gib, 1)
+            p = ft.finetune_plan(tune(key, mode, device=device), gib, 1)
             for col, ac in (("no_ac", False), ("ac", True)):
                 t = tune(key, mode, ac=ac, device=device)
                 mb = p[col]["max_micro_batch"]
                 if mb:
-                    assert fp.total_bytes(t, mb) <= p["budget_bytes"]
-                assert fp.total_bytes(t, mb + 1) > p["budget_bytes"]
+                    assert ft.total_bytes(t, mb) <= p["budget_bytes"]
+                assert ft.total_bytes(t, mb + 1) > p["budget_bytes"]
 
 
 def test_modes_order_and_verdicts_name_the_largest_row():
-    fits = {m: fp.finetune_plan(tune("8b", m), 24, 1) for m in fp.MODES}
+    fits = {m: ft.finetune_plan(tune("8b", m), 24, 1) for m in ft.MODES}
     assert fits["full"]["verdict"].startswith("does not fit: before any activation")
     assert "AdamW moments (fp32)" in fits["full"]["verdict"]
     assert (fits["qlora"]["ac"]["total"] < fits["lora"]["ac"]["total"]
             < fits["full"]["ac"]["total"])
     for p in fits.values():
         col = "no_ac" if p["no_ac"]["fits"] else "ac"
-        label, size = fp._largest_part(p, col)
-        assert label in p["verdict"] and pl.format_size(size) in p["verdict"]
+        label, size = ft.largest_part(p, col)
+        assert label in p["verdict"] and sh.format_size(size) in p["verdict"]
 
 
 # --------------------------------------------------------------------------- command line
@@ -311,7 +312,7 @@ def test_cli_mode_prints_both_columns_and_a_verdict(capsys, monkeypatch):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("lmforge plan: LoRA r=8 on wq,wk,wv,wo,w1,w2,w3 of 6.74B")
     assert lines[1].split() == ["no", "AC", "AC"]
-    p = fp.finetune_plan(tune("7b"), 24, 1)
+    p = ft.finetune_plan(tune("7b"), 24, 1)
     fits = next(line for line in lines if line.startswith("fits micro-batch")).split()[-2:]
     assert [int(f) for f in fits] == [p["no_ac"]["max_micro_batch"], p["ac"]["max_micro_batch"]]
     assert lines[-1] == f"verdict: {p['verdict']}"
@@ -325,7 +326,7 @@ def test_cli_json_takes_rank_targets_and_cpu(capsys, monkeypatch):
     assert doc["rank"] == 16 and doc["targets"] == ["wq", "wk", "wv", "wo"]
     assert doc["device"] == "cpu" and doc["micro_batch"] == 2
     t = tune("qwen2.5-7b", "qlora", 16, ("wq", "wk", "wv", "wo"), device="cpu")
-    assert doc["no_ac"]["total"] == fp.total_bytes(t, 2)
+    assert doc["no_ac"]["total"] == ft.total_bytes(t, 2)
     # 2 x 2048 tokens in CPU chunks of max(512, 2**22 // 152064 = 27) tokens: 8 of 512.
     assert doc["no_ac"]["loss_buffers"] == 6 * 512 * 152064
 

@@ -29,9 +29,9 @@ from lmforge.model.frozen import (
 from lmforge.model.llama import Llama
 from lmforge.model.lora import apply_lora, lora_modules, merge_lora
 from lmforge.model.saved import load_checkpoint_model, save_model
+from lmforge.plan import finetune as ft
+from lmforge.plan import shapes as sh
 from lmforge.train import checkpoint as ckpt
-from lmforge.train import finetune_plan as fp
-from lmforge.train import plan as pl
 from lmforge.train import runs
 
 # n_embd 128: every block matrix (128x128, 384x128) is a whole number of 64*256 weights.
@@ -137,7 +137,7 @@ def test_nf4_bytes_equal_the_plans_qlora_row(cfg):
     frozen_ps = [p for p in model.parameters() if not p.requires_grad]
     nf4 = sum(nf4_nbytes(p) for p in frozen_ps if is_nf4(p))
     rest = sum(p.numel() * p.element_size() for p in frozen_ps if not is_nf4(p))
-    rows = fp.weight_rows(fp.Tune(pl.Setup(cfg, VOCAB, "fp32"), "qlora", 4, ("wq",)))
+    rows = ft.weight_rows(ft.Tune(sh.Setup(cfg, VOCAB, "fp32"), "qlora", 4, ("wq",)))
     assert (nf4, rest) == (rows["weights"], rows["weights_16"])
 
 

@@ -14,12 +14,15 @@ import torch
 from lmforge.cli import main
 from lmforge.config import ModelConfig, load_params
 from lmforge.model.llama import Llama, ffn_hidden_size, param_count_formula
-from lmforge.train import plan as pl
+from lmforge.plan import cli as plan_cli
+from lmforge.plan import memory as mem
+from lmforge.plan import pretrain as pre
+from lmforge.plan import shapes as sh
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
 DEMO_VOCAB = 8192  # tokenizer.vocab_size in params.yaml (the built tokenizer has as many)
-ONE_B = ModelConfig(**{k: v for k, v in pl.SHAPES["1b"].items() if k not in ("vocab", "name")})
+ONE_B = ModelConfig(**{k: v for k, v in sh.SHAPES["1b"].items() if k not in ("vocab", "name")})
 
 
 def demo_model() -> ModelConfig:
@@ -43,7 +46,7 @@ def test_demo_parameter_count_from_first_principles():
     hand = V * d + L * per_layer + d  # tied head: no second V x d
     assert hand == 5_310_720
     assert ffn_hidden_size(cfg) == F
-    assert pl.num_params(cfg, V) == hand == param_count_formula(cfg, V)
+    assert sh.num_params(cfg, V) == hand == param_count_formula(cfg, V)
     assert Llama(cfg, V).num_params() == hand
 
 
@@ -54,7 +57,7 @@ def test_1b_parameter_count_from_first_principles():
     hand = V * d + L * per_layer + d
     assert hand == 1_235_814_400  # Llama-3.2-1B's published count
     assert ffn_hidden_size(ONE_B) == F
-    assert pl.num_params(ONE_B, V) == hand
+    assert sh.num_params(ONE_B, V) == hand
     with torch.device("meta"):
         assert Llama(ONE_B, V).num_params() == hand
 
@@ -63,19 +66,19 @@ def test_untied_gqa_shape_counts_like_the_module():
     cfg = ModelConfig(n_layer=3, n_head=8, n_kv_head=2, n_embd=128, seq_len=64,
                       tie_embeddings=False)
     with torch.device("meta"):
-        assert pl.num_params(cfg, 1000) == Llama(cfg, 1000).num_params()
-    assert pl.sharded_params(cfg, 1000, 1) == pl.num_params(cfg, 1000)
+        assert sh.num_params(cfg, 1000) == Llama(cfg, 1000).num_params()
+    assert sh.sharded_params(cfg, 1000, 1) == sh.num_params(cfg, 1000)
 
 
 # --------------------------------------------------------------------------- figures
 
 
 def test_demo_figures_by_hand():
-    s = pl.Setup(demo_model(), DEMO_VOCAB, "bf16", world=8)
+    s = sh.Setup(demo_model(), DEMO_VOCAB, "bf16", world=8)
     P, d, V, seq, L, F = 5_310_720, 256, 8192, 256, 4, 704
     mb = 8
     # DDP: fp32 weights, grads, two AdamW moments, and buckets as large as the grads.
-    ddp = pl.rows_bytes(s, "ddp", mb)
+    ddp = mem.rows_bytes(s, "ddp", mb)
     assert (ddp["params"], ddp["grads"], ddp["optimizer"], ddp["buckets"]) == (
         4 * P, 4 * P, 8 * P, 4 * P)
     fused = d * 3 * d + 2 * d * F  # q|k|v and gate|up, concatenated per forward
@@ -89,11 +92,11 @@ def test_demo_figures_by_hand():
     assert layer == 11_800
     loss = 4 * d + 2 * d + 2 * d  # norm output fp32, hidden-state grad, its bf16 cast
     per_seq = seq * (L * layer + 4 * d + 4 + 8 + loss)
-    assert pl.activation_bytes_per_seq(s, "ddp") == per_seq == 12_872_704
+    assert mem.activation_bytes_per_seq(s, "ddp") == per_seq == 12_872_704
 
     # FSDP over 8: every dim 0 divides by 8, so the shard is exactly P / 8.
-    fsdp = pl.rows_bytes(s, "fsdp", mb)
-    assert P % 8 == 0 and pl.sharded_params(s.model, V, 8) == P // 8
+    fsdp = mem.rows_bytes(s, "fsdp", mb)
+    assert P % 8 == 0 and sh.sharded_params(s.model, V, 8) == P // 8
     assert (fsdp["params"], fsdp["grads"], fsdp["optimizer"], fsdp["buckets"]) == (
         4 * P // 8, 4 * P // 8, 8 * P // 8, 0)
     root, block = V * d + d, 4 * d * d + 3 * d * F + 2 * d
@@ -102,17 +105,17 @@ def test_demo_figures_by_hand():
     assert fsdp["weight_copies"] == 2 * L * fused
     assert fsdp["loss_buffers"] == 10 * V * d + chunk * V * 6
     layer16 = 2 * 2 * d + 8 + 4 * 4 + 2 * (3 * d + 5 * d + 4 * F)  # bf16 residual
-    assert pl.activation_bytes_per_seq(s, "fsdp") == seq * (
+    assert mem.activation_bytes_per_seq(s, "fsdp") == seq * (
         L * layer16 + 2 * d + 4 + 8 + 2 * d + 2 * d) == 11_430_912
 
 
 def test_1b_figures_on_80gb_world_8_by_hand():
-    s = pl.Setup(ONE_B, 128256, "bf16", world=8)
+    s = sh.Setup(ONE_B, 128256, "bf16", world=8)
     P, d, V, seq, L, F = 1_235_814_400, 2048, 128256, 2048, 16, 8192
     H, KV, hd = 32, 8, 64
     device = 80 * GIB
     budget = device - (GIB + device // 10)  # 1 GiB + 10% reserve = 71 GiB
-    out = pl.plan(s, 80, 8)
+    out = pre.plan(s, 80, 8)
     assert out["budget_bytes"] == budget == 71 * GIB
 
     fused = d * (H + 2 * KV) * hd + 2 * d * F  # 39,845,888
@@ -141,49 +144,49 @@ def test_1b_figures_on_80gb_world_8_by_hand():
 
 def test_fsdp_in_fp16_gathers_fp32_under_autocast():
     """lmforge.train.fsdp gives FSDP a bf16 MixedPrecisionPolicy only."""
-    s = pl.Setup(ONE_B, 128256, "fp16", world=8)
+    s = sh.Setup(ONE_B, 128256, "fp16", world=8)
     root, block = 128256 * 2048 + 2048, 60_821_504
-    assert pl.unsharded_params_bytes(s, "fsdp") == 4 * (root + 2 * block)
-    assert pl.residual_bytes("fsdp", "fp16") == 4 == pl.residual_bytes("ddp", "bf16")
-    assert pl.weight_copy_bytes(s, "fsdp") == pl.weight_copy_bytes(s, "ddp")
-    assert pl.activation_bytes_per_seq(s, "fsdp") == pl.activation_bytes_per_seq(s, "ddp")
+    assert mem.unsharded_params_bytes(s, "fsdp") == 4 * (root + 2 * block)
+    assert sh.residual_bytes("fsdp", "fp16") == 4 == sh.residual_bytes("ddp", "bf16")
+    assert mem.weight_copy_bytes(s, "fsdp") == mem.weight_copy_bytes(s, "ddp")
+    assert mem.activation_bytes_per_seq(s, "fsdp") == mem.activation_bytes_per_seq(s, "ddp")
 
 
 @pytest.mark.parametrize("world", [2, 8, 64])
 def test_fsdp_model_states_are_a_world_share_of_ddps(world):
-    s = pl.Setup(ONE_B, 128256, "bf16", world=world)
+    s = sh.Setup(ONE_B, 128256, "bf16", world=world)
 
     def states(strategy: str) -> int:
-        return sum(f(s, strategy) for f in (pl.params_bytes, pl.grads_bytes,
-                                            pl.optimizer_bytes))
+        return sum(f(s, strategy) for f in (mem.params_bytes, mem.grads_bytes,
+                                            mem.optimizer_bytes))
 
-    assert states("ddp") == 16 * pl.num_params(ONE_B, 128256)  # ZeRO's 16 bytes/param
+    assert states("ddp") == 16 * sh.num_params(ONE_B, 128256)  # ZeRO's 16 bytes/param
     assert states("fsdp") == pytest.approx(states("ddp") / world, rel=1e-3)
     assert states("fsdp") >= states("ddp") / world  # padding only adds
 
 
-@pytest.mark.parametrize("strategy", pl.STRATEGIES)
+@pytest.mark.parametrize("strategy", pre.STRATEGIES)
 @pytest.mark.parametrize("ac", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
 def test_fitted_micro_batch_is_the_largest_within_budget(strategy, ac, fused):
-    s = pl.Setup(ONE_B, 128256, "bf16", world=8, activation_checkpointing=ac,
+    s = sh.Setup(ONE_B, 128256, "bf16", world=8, activation_checkpointing=ac,
                  fused_loss=fused)
     for device_gib in (24, 40, 80, 141):
-        budget = device_gib * GIB - pl.reserve_bytes(device_gib * GIB)
-        mb = pl.fit_micro_batch(s, strategy, budget)
+        budget = device_gib * GIB - mem.reserve_bytes(device_gib * GIB)
+        mb = pre.fit_micro_batch(s, strategy, budget)
         if mb:
-            assert pl.total_bytes(s, strategy, mb) <= budget
-        assert pl.total_bytes(s, strategy, mb + 1) > budget
+            assert mem.total_bytes(s, strategy, mb) <= budget
+        assert mem.total_bytes(s, strategy, mb + 1) > budget
 
 
 def test_fit_grows_with_device_memory_and_checkpointing_helps():
-    s = pl.Setup(ONE_B, 128256, "bf16", world=8)
+    s = sh.Setup(ONE_B, 128256, "bf16", world=8)
     ac = dataclasses.replace(s, activation_checkpointing=True)
-    for strategy in pl.STRATEGIES:
-        fits = [pl.plan(s, g, 1)[strategy]["max_micro_batch"] for g in range(8, 200, 8)]
+    for strategy in pre.STRATEGIES:
+        fits = [pre.plan(s, g, 1)[strategy]["max_micro_batch"] for g in range(8, 200, 8)]
         assert fits == sorted(fits) and fits[0] == 0 and fits[-1] > 0
-        assert pl.plan(ac, 80, 1)[strategy]["max_micro_batch"] > fits[9]  # 80 GiB
-    out = pl.plan(s, 80, 1)
+        assert pre.plan(ac, 80, 1)[strategy]["max_micro_batch"] > fits[9]  # 80 GiB
+    out = pre.plan(s, 80, 1)
     assert out["fsdp"]["max_micro_batch"] > out["ddp"]["max_micro_batch"]
 
 
@@ -222,24 +225,24 @@ def test_layer_and_weight_copies_match_what_autograd_saves(kv, mode):
     cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=kv, n_embd=128, seq_len=64)
     vocab, seq, d = 512, 64, 128
     strategy = "fsdp" if mode == "fsdp" else "ddp"
-    s = pl.Setup(cfg, vocab, "fp32" if mode == "ddp-fp32" else "bf16")
-    r, a = pl.residual_bytes(strategy, s.precision), pl.compute_bytes(s.precision)
+    s = sh.Setup(cfg, vocab, "fp32" if mode == "ddp-fp32" else "bf16")
+    r, a = sh.residual_bytes(strategy, s.precision), sh.compute_bytes(s.precision)
     one, two = (_saved_bytes(cfg, vocab, b, mode) for b in (1, 2))
     # Saved per token: the layers, the final norm's input and rstd, the token ids and the
     # loss's hidden-state gradient (not the norm output or its cast: alive, not saved).
-    per_token = cfg.n_layer * pl.layer_activation_bytes(cfg, r, a) + r * d + 4 + 8 + a * d
+    per_token = cfg.n_layer * mem.layer_activation_bytes(cfg, r, a) + r * d + 4 + 8 + a * d
     assert two - one == seq * per_token
     # Saved once: the weight copies, the head's fp32 gradient, and the loss's 1/count.
-    assert 2 * one - two == pl.weight_copy_bytes(s, strategy) + 4 * vocab * d + 4
+    assert 2 * one - two == mem.weight_copy_bytes(s, strategy) + 4 * vocab * d + 4
 
 
 @pytest.mark.parametrize("mode", ["ddp-fp32", "ddp-bf16"])
 def test_document_mask_costs_an_additive_mask_per_layer(mode):
     cfg = ModelConfig(n_layer=2, n_head=4, n_embd=128, seq_len=64)
     masked = dataclasses.replace(cfg, doc_mask=True)
-    s = pl.Setup(cfg, 512, "fp32" if mode == "ddp-fp32" else "bf16")
-    extra = (pl.activation_bytes_per_seq(dataclasses.replace(s, model=masked), "ddp")
-             - pl.activation_bytes_per_seq(s, "ddp"))
+    s = sh.Setup(cfg, 512, "fp32" if mode == "ddp-fp32" else "bf16")
+    extra = (mem.activation_bytes_per_seq(dataclasses.replace(s, model=masked), "ddp")
+             - mem.activation_bytes_per_seq(s, "ddp"))
     seq = cfg.seq_len
     saved = (_saved_bytes(cfg, 512, 2, mode, positions=True)
              - _saved_bytes(cfg, 512, 2, mode)) // 2
@@ -257,16 +260,16 @@ def test_cli_prints_the_table(capsys):
     assert lines[0].startswith("lmforge plan: 5.3M parameters")
     assert "vocab 8192" in lines[0] and "8 x 80 GiB" in lines[0]
     assert lines[1].split() == ["ddp", "fsdp"]
-    labels = [label for _, label in pl.ROWS] + ["activations/seq", "total @ micro-batch 8",
+    labels = [label for _, label in pre.ROWS] + ["activations/seq", "total @ micro-batch 8",
                                                 "fits micro-batch"]
     for label in labels:
         assert any(line.startswith(label) for line in lines), label
     fits = next(line for line in lines if line.startswith("fits micro-batch")).split()[-2:]
-    s = pl.Setup(demo_model(), DEMO_VOCAB, "bf16", world=8,
+    s = sh.Setup(demo_model(), DEMO_VOCAB, "bf16", world=8,
                  optimizer=load_params(REPO / "params.yaml").train.optimizer)
     budget = 71 * GIB
-    assert [int(f) for f in fits] == [pl.fit_micro_batch(s, st, budget)
-                                      for st in pl.STRATEGIES]
+    assert [int(f) for f in fits] == [pre.fit_micro_batch(s, st, budget)
+                                      for st in pre.STRATEGIES]
 
 
 def test_cli_json_for_the_1b_shape(capsys):
@@ -278,13 +281,13 @@ def test_cli_json_for_the_1b_shape(capsys):
     # params.yaml's optimizer: Muon (13 micro-batches fit under DDP; AdamW's 12).
     optimizer = load_params(REPO / "params.yaml").train.optimizer
     assert doc["optimizer"] == optimizer
-    s = pl.Setup(ONE_B, 128256, world=8, optimizer=optimizer)
+    s = sh.Setup(ONE_B, 128256, world=8, optimizer=optimizer)
     assert doc["ddp"]["max_micro_batch"] == {"muon": 13, "adamw": 12}[optimizer]
     assert doc["ddp"]["fits"] is False
     assert doc["fsdp"]["max_micro_batch"] == 20 and doc["fsdp"]["fits"] is True
-    assert doc["ddp"]["total"] == pl.total_bytes(s, "ddp", 16)
+    assert doc["ddp"]["total"] == mem.total_bytes(s, "ddp", 16)
     adamw = dataclasses.replace(s, optimizer="adamw")
-    assert pl.fit_micro_batch(adamw, "ddp", 71 * GIB) == 12
+    assert pre.fit_micro_batch(adamw, "ddp", 71 * GIB) == 12
 
 
 def test_cli_overrides_and_vocab_fallback(tmp_path, capsys, monkeypatch):
@@ -323,11 +326,11 @@ def test_muon_optimizer_row_counts_the_tensors_muon_takes(qk_norm):
     model = Llama(cfg, vocab)
     matrices = sum(p.numel() for _, p in muon_parameters(model))
     total = model.num_params()
-    assert pl.muon_matrix_params(cfg) == matrices
-    muon = pl.Setup(cfg, vocab, "bf16", world=2, optimizer="muon")
+    assert sh.muon_matrix_params(cfg) == matrices
+    muon = sh.Setup(cfg, vocab, "bf16", world=2, optimizer="muon")
     adamw = dataclasses.replace(muon, optimizer="adamw")
-    assert pl.optimizer_bytes(muon, "ddp") == 4 * matrices + 8 * (total - matrices)
-    assert pl.optimizer_bytes(adamw, "ddp") == 8 * total
-    assert pl.optimizer_bytes(muon, "fsdp") == pl.optimizer_bytes(adamw, "fsdp")
-    assert "optimizer (Muon/AdamW)" in pl.format_table(pl.plan(muon, 80, 8), "test")
-    assert "optimizer (AdamW)" in pl.format_table(pl.plan(adamw, 80, 8), "test")
+    assert mem.optimizer_bytes(muon, "ddp") == 4 * matrices + 8 * (total - matrices)
+    assert mem.optimizer_bytes(adamw, "ddp") == 8 * total
+    assert mem.optimizer_bytes(muon, "fsdp") == mem.optimizer_bytes(adamw, "fsdp")
+    assert "optimizer (Muon/AdamW)" in plan_cli.format_table(pre.plan(muon, 80, 8), "test")
+    assert "optimizer (AdamW)" in plan_cli.format_table(pre.plan(adamw, 80, 8), "test")

@@ -23,7 +23,7 @@ COMMANDS: dict[str, str] = {
     "checkpoints": "lmforge.train.checkpoints_cli:add_checkpoints_parser",
     "filter": "lmforge.data.filter_cli:add_filter_parser",
     "eval": "lmforge.evaluate.harness_cli:add_eval_parser",
-    "plan": "lmforge.train.plan:add_plan_parser",
+    "plan": "lmforge.plan.cli:add_plan_parser",
     "mix": "lmforge.mixture.cli:add_mix_parser",
 }
 

@@ -1,6 +1,6 @@
 """``lmforge plan --mode full|lora|qlora``: one device's memory for fine-tuning a model.
 
-The pretraining plan (:mod:`lmforge.train.plan`) answers for DDP and FSDP2; this module
+The pretraining plan (:mod:`lmforge.plan.pretrain`) answers for DDP and FSDP2; this module
 answers the fine-tuner's question: does full fine-tuning, LoRA or QLoRA of this model
 fit this card (or this much CPU RAM), at which micro-batch, and what fills it. Each
 mode is planned with and without activation checkpointing, side by side.
@@ -27,7 +27,7 @@ What each mode holds (P parameters; n adapter parameters, ``lora_param_count_for
 Activations under LoRA (counted tensor by tensor, checked against
 ``saved_tensors_hooks`` in tests/test_finetune_plan.py): a frozen GEMM ``x W^T`` keeps W
 for x's gradient but not x (W wants no gradient), so a block keeps what pretraining's
-keeps (:func:`lmforge.train.plan.layer_activation_bytes`) except the GEMM inputs of
+keeps (:func:`lmforge.plan.memory.layer_activation_bytes`) except the GEMM inputs of
 unadapted Linears; each adapted Linear keeps its input (for A's gradient) and its r-wide
 intermediate (for B's). The residual stream is the base's dtype. Before the first
 adapter nothing needs a gradient: the first block's input norm keeps nothing, and
@@ -55,17 +55,22 @@ optimizer's transient update buffers, and paged or CPU-offloaded optimizer state
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from lmforge.config import ModelConfig
+from lmforge.config import LoraConfig, ModelConfig
 from lmforge.errors import ConfigError
 from lmforge.model.frozen import NF4_BLOCK, nf4_fits, nf4_scaler_block
 from lmforge.model.llama import ffn_hidden_size
-from lmforge.model.lora import ATTN_TARGETS, MLP_TARGETS, lora_param_count_formula
-from lmforge.train import plan as pl
+from lmforge.model.lora import (
+    ATTN_TARGETS,
+    MLP_TARGETS,
+    lora_param_count_formula,
+    resolve_targets,
+)
+from lmforge.plan import memory
+from lmforge.plan.shapes import GIB, SHAPES, Setup, format_size, linear_shapes, num_params
 
 MODES = ("full", "lora", "qlora")
 DEVICES = ("cuda", "cpu")
@@ -78,7 +83,7 @@ NF4_DEQUANT_BYTES = 14  # eager get_original_weight's peak per element (module d
 class Tune:
     """A fine-tuning run to plan: the model and knobs (one device), mode and adapters."""
 
-    setup: pl.Setup
+    setup: Setup
     mode: str = "lora"
     rank: int = 8
     targets: tuple[str, ...] = BLOCK_TARGETS
@@ -86,14 +91,6 @@ class Tune:
 
 
 # --------------------------------------------------------------------------- weights
-
-
-def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(out, in) of each block Linear, by name."""
-    d, hd = cfg.n_embd, cfg.head_size()
-    q, kv, f = cfg.n_head * hd, (cfg.n_kv_head or cfg.n_head) * hd, ffn_hidden_size(cfg)
-    return {"wq": (q, d), "wk": (kv, d), "wv": (kv, d), "wo": (d, q),
-            "w1": (f, d), "w3": (f, d), "w2": (d, f)}
 
 
 def base_bytes(precision: str) -> int:
@@ -133,7 +130,7 @@ def weight_rows(t: Tune) -> dict[str, int]:
     whole number of NF4 scaler blocks, at the base's dtype), as
     :func:`lmforge.model.frozen.hold_frozen_in` holds them (NF4 quantised from bf16)."""
     cfg, vocab = t.setup.model, t.setup.vocab
-    total = pl.num_params(cfg, vocab)
+    total = num_params(cfg, vocab)
     b = base_bytes(t.setup.precision)
     if t.mode == "lora":
         return {"weights": b * total}
@@ -158,7 +155,7 @@ def lora_loss_buffer_bytes(t: Tune, micro_batch: int) -> int:
     s = t.setup
     if not s.fused_loss:
         return 0
-    chunk = pl.loss_chunk_tokens(s, micro_batch, t.device)
+    chunk = memory.loss_chunk_tokens(s, micro_batch, t.device)
     return chunk * s.vocab * (4 + (2 if s.precision != "fp32" else 0))
 
 
@@ -167,10 +164,10 @@ def rows_bytes(t: Tune, micro_batch: int) -> dict[str, int]:
     s = t.setup
     if t.mode == "full":
         one = dataclasses.replace(s, world=1)
-        full = pl.rows_bytes(one, "ddp", micro_batch)
+        full = memory.rows_bytes(one, "ddp", micro_batch)
         return {"weights": full["params"], "grads": full["grads"],
                 "optimizer": full["optimizer"], "weight_copies": full["weight_copies"],
-                "loss_buffers": pl.loss_buffer_bytes(one, "ddp", micro_batch, t.device)}
+                "loss_buffers": memory.loss_buffer_bytes(one, "ddp", micro_batch, t.device)}
     n = adapter_params(t)
     rows = weight_rows(t)
     rows.update(adapters=4 * n, grads=4 * n, optimizer=8 * n,
@@ -262,7 +259,7 @@ def lora_activation_bytes_per_seq(t: Tune) -> int:
 def activation_bytes_per_seq(t: Tune) -> int:
     """Per micro-batch sequence: pretraining's single-device count for full, else LoRA's."""
     if t.mode == "full":
-        return pl.activation_bytes_per_seq(dataclasses.replace(t.setup, world=1), "ddp")
+        return memory.activation_bytes_per_seq(dataclasses.replace(t.setup, world=1), "ddp")
     return lora_activation_bytes_per_seq(t)
 
 
@@ -279,8 +276,8 @@ def _column(t: Tune, micro_batch: int, budget: int) -> dict[str, Any]:
     total = total_bytes(t, micro_batch)
     return {**rows_bytes(t, micro_batch), "activations_per_seq": per_seq,
             "activations": micro_batch * per_seq, "total": total, "fits": total <= budget,
-            "max_micro_batch": pl.largest_fitting(lambda b: total_bytes(t, b), per_seq,
-                                                  budget)}
+            "max_micro_batch": memory.largest_fitting(lambda b: total_bytes(t, b), per_seq,
+                                                      budget)}
 
 
 def check(t: Tune) -> None:
@@ -300,14 +297,14 @@ def check(t: Tune) -> None:
 
 
 def finetune_plan(t: Tune, device_gib: float, micro_batch: int,
-                  reserve_gib: float = pl.RESERVE_GIB) -> dict[str, Any]:
+                  reserve_gib: float = memory.RESERVE_GIB) -> dict[str, Any]:
     """Every figure of the fine-tuning plan, in bytes (the ``--json`` document)."""
     check(t)
-    device = int(device_gib * pl.GIB)
-    budget = device - pl.reserve_bytes(device, reserve_gib)
+    device = int(device_gib * GIB)
+    budget = device - memory.reserve_bytes(device, reserve_gib)
     s = t.setup
     out: dict[str, Any] = {
-        "mode": t.mode, "params": pl.num_params(s.model, s.vocab), "vocab": s.vocab,
+        "mode": t.mode, "params": num_params(s.model, s.vocab), "vocab": s.vocab,
         "model": dataclasses.asdict(s.model), "precision": s.precision,
         "fused_loss": s.fused_loss, "device": t.device, "device_bytes": device,
         "reserve_bytes": device - budget, "budget_bytes": budget, "micro_batch": micro_batch,
@@ -322,8 +319,9 @@ def finetune_plan(t: Tune, device_gib: float, micro_batch: int,
     return out
 
 
-def _largest_part(p: dict[str, Any], column: str) -> tuple[str, int]:
-    """The column's largest part: a row, or the activations at the micro-batch."""
+def largest_part(p: dict[str, Any], column: str) -> tuple[str, int]:
+    """The column's largest part (label, bytes) in a :func:`finetune_plan` document: a
+    row, or the activations at the micro-batch."""
     parts = {label: p[column][key] for key, label in p["labels"].items()}
     parts[f"activations @ micro-batch {p['micro_batch']}"] = p[column]["activations"]
     return max(parts.items(), key=lambda kv: kv[1])
@@ -333,18 +331,18 @@ def verdict(p: dict[str, Any]) -> str:
     """One line: whether the micro-batch fits, with or without checkpointing, and why."""
     no, ac, budget = p["no_ac"], p["ac"], p["budget_bytes"]
     mb, seq = p["micro_batch"], p["model"]["seq_len"]
-    size, at = pl.format_size, f"micro-batch {mb} x {seq} tokens"
+    size, at = format_size, f"micro-batch {mb} x {seq} tokens"
     if no["fits"]:
-        label, big = _largest_part(p, "no_ac")
+        label, big = largest_part(p, "no_ac")
         return (f"fits: {at} takes {size(no['total'])} of the {size(budget)} budget (up to "
                 f"micro-batch {no['max_micro_batch']}, {ac['max_micro_batch']} with "
                 f"activation checkpointing); largest part: {label} {size(big)}")
     if ac["fits"]:
-        label, big = _largest_part(p, "no_ac")
+        label, big = largest_part(p, "no_ac")
         return (f"fits only with activation checkpointing: {at} takes {size(ac['total'])} "
                 f"of the {size(budget)} budget (up to micro-batch {ac['max_micro_batch']}); "
                 f"without it {size(no['total'])}, largest part: {label} {size(big)}")
-    label, big = _largest_part(p, "ac")
+    label, big = largest_part(p, "ac")
     states = ac["total"] - ac["activations"]
     if states > budget:
         return (f"does not fit: before any activation the model states take "
@@ -355,81 +353,18 @@ def verdict(p: dict[str, Any]) -> str:
             f"{size(big)}")
 
 
-def format_table(p: dict[str, Any], source: str) -> str:
-    """The fine-tuning plan as ``lmforge plan --mode`` prints it."""
-    m = p["model"]
-    what = {"full": "full fine-tuning",
-            "lora": f"LoRA r={p.get('rank')} on {','.join(p.get('targets', []))}",
-            "qlora": f"QLoRA (NF4 base) r={p.get('rank')} on {','.join(p.get('targets', []))}"}
-    extra = (f", {pl.format_count(p['adapter_params'])} adapter parameters"
-             if p["mode"] != "full" else "")
-    knobs = [p["precision"]] + ([] if p["fused_loss"] else ["plain loss"]) + (
-        ["doc_mask"] if m["doc_mask"] else [])
-    where = "GiB GPU" if p["device"] == "cuda" else "GiB CPU RAM"
-    lines = [f"lmforge plan: {what[p['mode']]} of {pl.format_count(p['params'])} parameters "
-             f"({source}, vocab {p['vocab']}){extra}, seq_len {m['seq_len']}, "
-             f"{', '.join(knobs)}, 1 x {p['device_bytes'] / pl.GIB:g} {where}",
-             f"{'':32}{'no AC':>13}{'AC':>13}"]
-
-    def row(label: str, cells: list[str]) -> None:
-        lines.append(f"{label:32}" + "".join(f"{c:>13}" for c in cells))
-
-    cols = ("no_ac", "ac")
-    for key, label in p["labels"].items():
-        row(label, [pl.format_size(p[c][key]) for c in cols])
-    row("activations/seq", [pl.format_size(p[c]["activations_per_seq"]) for c in cols])
-    row(f"total @ micro-batch {p['micro_batch']}",
-        [pl.format_size(p[c]["total"]) + ("" if p[c]["fits"] else "!") for c in cols])
-    row("fits micro-batch", [str(p[c]["max_micro_batch"]) for c in cols])
-    lines.append(f"budget {pl.format_size(p['budget_bytes'])} = {p['device_bytes'] / pl.GIB:g} GiB"
-                 f" - reserve {pl.format_size(p['reserve_bytes'])} (fixed + {pl.FRAGMENTATION:.0%} "
-                 "for fragmentation); '!' = over budget; AC = activation checkpointing")
-    lines.append(f"verdict: {p['verdict']}")
-    return "\n".join(lines)
-
-
 def preset_tune(key: str, mode: str = "lora", device: str = "cuda") -> Tune:
-    """A preset shape (plan.SHAPES) with the command's defaults: bf16, fused loss, no
-    document mask, rank and targets of :class:`lmforge.config.LoraConfig`."""
-    from lmforge.config import LoraConfig
-
-    shape = pl.SHAPES[key]
+    """A preset shape (:data:`lmforge.plan.shapes.SHAPES`) with the command's defaults:
+    bf16, fused loss, no document mask, rank and targets of
+    :class:`lmforge.config.LoraConfig`."""
+    shape = SHAPES[key]
     cfg = ModelConfig(**{k: v for k, v in shape.items() if k not in ("vocab", "name")})
     lora = LoraConfig()
-    return Tune(pl.Setup(cfg, shape["vocab"]), mode, lora.rank, targets_from(lora.targets),
+    return Tune(Setup(cfg, shape["vocab"]), mode, lora.rank, targets_from(lora.targets),
                 device)
 
 
 def targets_from(spec: str | list[str]) -> tuple[str, ...]:
     """``attn,mlp`` / ``["wq", "wv"]`` -> leaf names in lora.TARGETS order (one-line errors)."""
-    from lmforge.model.lora import resolve_targets
-
     names = spec.split(",") if isinstance(spec, str) else list(spec)
     return tuple(resolve_targets([n.strip() for n in names if n.strip()], where="plan"))
-
-
-def build_tune(args: argparse.Namespace) -> tuple[Tune, int, dict[str, str]]:
-    """The Tune ``lmforge plan --mode`` asks about, its micro-batch (default 1) and sources.
-
-    Model, vocabulary and knobs as for the strategies table (``--section``, ``--shape``,
-    overrides); one device unless ``--world`` says otherwise (then refused); rank and
-    targets from ``--rank`` / ``--targets``, else the section's ``lora``, else
-    :class:`lmforge.config.LoraConfig`'s defaults.
-    """
-    from lmforge.config import LoraConfig, load_params
-
-    params = load_params(args.params)
-    setup, _, source = pl.build_setup(args, params)
-    if args.world is None:
-        setup = dataclasses.replace(setup, world=1)
-    # Fine-tuning plans AdamW (the rows say so), whatever the section's optimizer: the
-    # sft/dpo sections default to it, LoRA adapters always use it, and Muon is the
-    # pretraining default (lmforge plan without --mode plans that).
-    setup = dataclasses.replace(setup, optimizer="adamw")
-    lora = getattr(getattr(params, args.section), "lora", None) or LoraConfig()
-    tune = Tune(setup=setup, mode=args.mode,
-                rank=args.rank if args.rank is not None else lora.rank,
-                targets=targets_from(args.targets if args.targets is not None
-                                     else lora.targets),
-                device=args.device)
-    return tune, args.micro_batch or 1, source
