@@ -44,13 +44,16 @@ from lmforge.experiments import (
     wait_for_queue,
 )
 from lmforge.mixture.space import sample_mixtures
+from lmforge.stage_deps import SWEEP_TOKENIZERS
 from lmforge.tokenizer.files import copy_tokenizer, find_tokenizer, locate_tokenizer
 from lmforge.train.checkpoint import NON_RUN_KEYS
 
 MIX_METRICS = Path("metrics/mix.json")
 TOKENIZER = Path("models/tokenizer")  # the tokenizer stage's folder, either backend
-# <name>/tokenizer.model (or tokenizer.json and its companions): a sweep's frozen tokenizer
-SWEEPS = Path("models/mix_sweep")
+# <name>/tokenizer.model (or tokenizer.json and its companions): a sweep's frozen tokenizer.
+# The tokenizer stage exempts this folder from its init_from-is-a-dep check (a proxy's
+# dvc.yaml cannot list it; frozen copies are never edited): stage_deps.py says why.
+SWEEPS = Path(SWEEP_TOKENIZERS)
 PARAMS = Path("params.yaml")
 # Stages that must be up to date before queueing, or every proxy would rerun them.
 UPSTREAM = ("ingest", "filter", "dedup")

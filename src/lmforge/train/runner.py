@@ -15,6 +15,7 @@ from typing import Any
 from lmforge.config import Params
 from lmforge.errors import InputError, LmforgeError
 from lmforge.io import write_text
+from lmforge.stage_deps import require_dependency
 from lmforge.tokenizer import Tokenizer
 from lmforge.tokenizer.files import find_tokenizer, tokenizer_sha256
 from lmforge.train import distributed
@@ -59,6 +60,9 @@ def run_training_stage(params: Params, spec: StageSpec) -> None:
     """Run the stage ``spec`` describes as params say; with ``nproc > 1`` re-launch
     through torchrun first (each rank then runs it; rank 0 writes the outputs)."""
     cfg = getattr(params, spec.section)
+    # Under DVC, init_from must be a dep of this stage (else editing it leaves `dvc status`
+    # clean): checked first, before torchrun or any work. Every rank checks the same.
+    require_dependency(spec.section, cfg.init_from)
     if relaunched(cfg.nproc, spec.module, spec.section):
         return
     if cfg.init_from:  # DVC deletes a stage's outputs before it runs it
