@@ -306,8 +306,8 @@ class _Checks:
 def _slow_step_hint(optimizer: str, device: torch.device) -> str:
     """What to try when the optimizer step outweighs the forward and backward."""
     if optimizer == "muon":
-        return ("Muon's Newton-Schulz is slow on this device (see docs/training.md, "
-                "'Muon'); train.optimizer: adamw avoids it")
+        return ("Muon's Newton-Schulz is slow on this device (docs/training.md, 'Muon on "
+                "a CPU without bf16 units'); train.optimizer: adamw avoids it")
     return f"check train.optimizer and the threads on {device}"
 
 
