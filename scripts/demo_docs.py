@@ -188,6 +188,11 @@ def block_ablation_demo(found: dict[str, Figures], root: Path) -> str:
     return _ttq_table(root, "time_to_quality_demo_200steps.json")
 
 
+def block_ablation_nobf(found: dict[str, Figures], root: Path) -> str:
+    """The demo-shape ablation on a CPU capped to AVX2 (no bf16 units), issue 43."""
+    return _ttq_table(root, "time_to_quality_demo_200steps_avx2.json")
+
+
 def block_ablation_large(found: dict[str, Figures], root: Path) -> str:
     """The same at 8 layers x 512 (bench/results/time_to_quality_8x512_100steps.json)."""
     return _ttq_table(root, "time_to_quality_8x512_100steps.json")
@@ -196,7 +201,7 @@ def block_ablation_large(found: dict[str, Figures], root: Path) -> str:
 BLOCKS: dict[str, Callable[[dict[str, Figures], Path], str]] = {
     "summary": block_summary, "headline": block_headline, "harness": block_harness,
     "post": block_post, "domains": block_domains, "ablation_demo": block_ablation_demo,
-    "ablation_large": block_ablation_large}
+    "ablation_large": block_ablation_large, "ablation_nobf": block_ablation_nobf}
 
 
 def plan_output(m: re.Match) -> str:
