@@ -70,12 +70,7 @@ def post_training_lines(m: Path) -> list[str]:
                      f"{sft['wall_seconds']:.0f} s")
     dpo = _load(m / "dpo.json")
     if dpo:
-        # Training's reward accuracy (margin > 0), under its old name in older metrics.
-        reward = dpo.get("val_reward_accuracy", dpo.get("val_pref_accuracy", float("nan")))
-        lines.append(f"dpo       {dpo['mode']}, beta {dpo['beta']:g}, {dpo['steps']} steps, "
-                     f"{dpo['train_pairs']:,} pairs; val reward accuracy "
-                     f"{reward:.3f}, KL to reference "
-                     f"{dpo['val_kl_per_token']:.4f}/token, {dpo['wall_seconds']:.0f} s")
+        lines.append(_dpo_line(dpo))
     if post:
         b, t = post["base"], post["sft"]
         lines.append(f"post      token accuracy {b['token_accuracy']:.3f} -> "
@@ -104,3 +99,19 @@ def post_training_lines(m: Path) -> list[str]:
 
 if __name__ == "__main__":
     print(summary())
+
+
+def _dpo_line(dpo: dict) -> str:
+    """metrics/dpo.json in one line: the loss and replay when not plain DPO's, and the
+    KL to the reference when there is one (SimPO has none)."""
+    # Training's reward accuracy (margin > 0), under its old name in older metrics.
+    reward = dpo.get("val_reward_accuracy", dpo.get("val_pref_accuracy", float("nan")))
+    loss = dpo.get("loss", "sigmoid")
+    kl = dpo.get("val_kl_per_token")
+    return (f"dpo       {dpo['mode']}" + (f", {loss} loss" if loss != "sigmoid" else "")
+            + f", beta {dpo['beta']:g}, {dpo['steps']} steps, {dpo['train_pairs']:,} pairs"
+            + (f", replay {dpo['replay_row_share']:g} of rows"
+               if dpo.get("replay_row_share") else "")
+            + f"; val reward accuracy {reward:.3f}"
+            + (f", KL to reference {kl:.4f}/token" if kl is not None else "")
+            + f", {dpo['wall_seconds']:.0f} s")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from lmforge.config.checks import below_one, key, non_negative, positive
 from lmforge.config.train import TrainConfig
@@ -97,12 +97,18 @@ class DpoDataConfig(PackedDataConfig):
         default_factory=lambda: ["data/preferences/demo/train.jsonl.gz"])
 
 
+# dpo.loss's choices, in the order the docs give them.
+PREFERENCE_LOSSES: tuple[str, ...] = ("sigmoid", "ipo", "dpop", "simpo")
+
+
 @dataclass
 class DpoConfig(TuningConfig):
-    """Direct preference optimisation: the train loop's knobs, plus beta and the reference.
+    """Direct preference optimisation: the train loop's knobs, plus beta, the preference
+    loss and pretraining replay.
 
     The policy starts from ``init_from`` (the SFT model); the reference is that same
-    model, frozen, its log-probabilities computed once per pair and cached.
+    model, frozen, its log-probabilities computed once per pair and cached (SimPO needs
+    none). Defaults train today's DPO: ``loss: sigmoid``, no NLL term, no replay.
     """
 
     max_steps: int = 100
@@ -116,6 +122,22 @@ class DpoConfig(TuningConfig):
     # RPO (Pang et al. 2024) and Llama 3 use it; it keeps the likelihood of the preferred
     # answers from falling and the policy nearer its start. 0 = plain DPO.
     nll_weight: float = 0.0
+    # The preference loss (lmforge.train.preference_losses): sigmoid (DPO), ipo (Azar et
+    # al. 2023), dpop (DPO-Positive, Pal et al. 2024) or simpo (Meng et al. 2024:
+    # reference-free, length-normalised; beta is its own scale there, ~2).
+    loss: Literal["sigmoid", "ipo", "dpop", "simpo"] = "sigmoid"
+    # dpop: the weight of the penalty when the chosen answer's log-prob falls below the
+    # reference's (the paper's lambda).
+    dpop_lambda: float = 50.0
+    # simpo: the target margin gamma between the chosen and rejected rewards.
+    simpo_gamma: float = 0.5
+    # Share of each batch's rows drawn from the pretraining shards, as sft.replay; their
+    # mean next-token loss, times replay_weight, is added to the preference loss (PPO-ptx
+    # of InstructGPT, applied to DPO): it guards the text the forgetting figure measures.
+    replay: float = 0.0
+    # The replay rows' loss weight: the preference loss is per pair, the replay loss per
+    # token, so the share of rows cannot set it as in sft.
+    replay_weight: float = 1.0
 
     def validate(self) -> None:
         super().validate()
@@ -124,4 +146,25 @@ class DpoConfig(TuningConfig):
         if self.batch_sampling != "shuffled":
             raise ConfigError(f"{key(self, 'batch_sampling')}: only shuffled (preference pairs have "
                               "no domains to stratify)")
-        non_negative(self, "nll_weight")
+        if self.loss not in PREFERENCE_LOSSES:
+            raise ConfigError(f"{key(self, 'loss')}: {self.loss!r} is not one of "
+                              f"{', '.join(PREFERENCE_LOSSES)}")
+        non_negative(self, "nll_weight", "dpop_lambda", "simpo_gamma")
+        below_one(self, "replay")
+        positive(self, "replay_weight")
+
+    def identity_omits(self) -> set[str]:
+        """Keys left out of a run's identity (``lmforge.train.checkpoint``): those that
+        change nothing in this run -- a loss's own knob under another loss, the replay
+        weight without replay -- and the loss and replay at the values every run had
+        before they existed, so such a run still resumes."""
+        omit = set()
+        if self.loss == "sigmoid":
+            omit.add("loss")
+        if self.loss != "dpop":
+            omit.add("dpop_lambda")
+        if self.loss != "simpo":
+            omit.add("simpo_gamma")
+        if self.replay == 0:
+            omit |= {"replay", "replay_weight"}
+        return omit

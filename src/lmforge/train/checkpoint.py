@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmforge.config import ModelConfig, TrainConfig
+from lmforge.config import DpoConfig, ModelConfig, TrainConfig
 from lmforge.io import atomic_path
 
 FORMAT = 1
@@ -100,6 +100,9 @@ def _train_identity(train_cfg: TrainConfig) -> dict[str, Any]:
     if train_cfg.optimizer == "adamw":
         for k in _MUON_KEYS:
             train.pop(k, None)
+    if isinstance(train_cfg, DpoConfig):  # its loss and replay keys (issue 45), likewise
+        for k in train_cfg.identity_omits():
+            del train[k]
     return train
 
 

@@ -59,7 +59,7 @@ def current_sft_identity(params: Params, sft: Path = SFT, shards: Path = SHARDS,
     from lmforge.train.warm_start import weights_sha256
 
     cfg = params.sft if stage == "sft" else params.dpo
-    replaying = stage == "sft" and params.sft.replay > 0
+    replaying = cfg.replay > 0
     default_len = params.sft_data.seq_len if stage == "sft" else params.dpo_data.seq_len
     doc_mask = params.sft.doc_mask if stage == "sft" else True  # DPO always masks
     manifests = [sft / split / "manifest.json" for split in ("train", "val")]

@@ -34,6 +34,7 @@ from lmforge.train.build import build_model
 from lmforge.train.compiler import resolve_compile
 from lmforge.train.distributed import DistEnv
 from lmforge.train.fsdp import AsyncShardSaver, is_sharded, unsharded_copy
+from lmforge.train.loss_choice import describe, fused_loss_for_run
 from lmforge.train.objectives import (
     NextToken,
     Objective,
@@ -148,6 +149,11 @@ def _set_up(params: Params, vocab: int, data: TrainData, checkpoint_dir: Path,
     bf16, compile_blocks = precision.name == "bf16", resolve_compile(cfg.compile, device)[0]
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model, start_note = build_model(params, vocab, env, bf16, compile_blocks, tokenizer_sha256)
+    if data.objective is None:  # the loss of targets (DPO's objective scores the logits)
+        # train.fused_loss: auto probes on CUDA; the loss of a sharded step runs eager.
+        model.fused_loss = fused_loss_for_run(cfg, mcfg, model, precision, env,
+                                              compile_blocks and cfg.strategy != "fsdp",
+                                              cfg.micro_batch_size, log)
     # After sharding: an optimizer built before would hold the unsharded parameters.
     optimizer = build_optimizer(model, cfg, device, log, env.distributed)
     scaler = precision.grad_scaler()
@@ -334,7 +340,9 @@ class Trainer:
                      f"{self.precision.name} on {env.device}"
                      + (f" x{env.world_size} ({'fsdp' if self.sharded else 'ddp'})"
                         if env.distributed else "")
-                     + f", {self.compiled_how}")
+                     + f", {self.compiled_how}"
+                     + (f", {describe(model.fused_loss, cfg.fused_loss)}"
+                        if isinstance(self.live.objective, NextToken) else ""))
         self.t0 = time.perf_counter()
         p = self.progress
         self.interval = Interval(start_step=self.step, loss_sum=p.loss_sum, loss_n=p.loss_n,
@@ -406,7 +414,7 @@ class Trainer:
         self.history[self.step] = log_interval(
             self.step, rates, grad_norm, self.interval, self.skipped, self.tokens_per_step,
             self.flops_per_step, self.peak, self.env.device, self.cfg.max_steps, self.run,
-            self.log)
+            self.log, getattr(self.live.objective, "stat_denominators", None))
 
     def _evaluate(self) -> None:
         """The val figures in the history, MLflow and the log."""

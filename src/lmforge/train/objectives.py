@@ -32,7 +32,9 @@ class Objective(Protocol):
     """What the loop asks of an objective (``NextToken``, ``DpoObjective``).
 
     ``stats`` names the extra per-step sums ``loss`` returns, the first counting the
-    items the others are sums over (means are sum / count). An objective with state to
+    items the others are sums over (means are sum / count; an objective may name another
+    denominator for some in ``stat_denominators``, ``{stat: the stat it is a mean over}``,
+    and those denominators are not logged themselves). An objective with state to
     checkpoint (DPO's reference cache) also has ``state_dict`` / ``load_state_dict`` and,
     for a resume on another number of ranks, ``merge_state_dicts``.
     """
@@ -44,13 +46,15 @@ class Objective(Protocol):
         """This rank's training batches (each a list of tensors)."""
         ...
 
-    def count(self, batch: list[torch.Tensor]) -> int:
-        """What the micro-batch weighs: its items the loss is a mean over."""
+    def count(self, batch: list[torch.Tensor]) -> int | tuple[int, ...]:
+        """What the micro-batch weighs: its items the loss is a mean over (a loss of
+        parts: one count per part)."""
         ...
 
     def loss(self, model: torch.nn.Module, batch: list[torch.Tensor]
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(mean loss over the batch's items, per-step stat sums or None)."""
+        """(mean loss over the batch's items -- a loss of parts: a 1-D tensor of the
+        parts' means --, per-step stat sums or None)."""
         ...
 
     def evaluate(self, model: Llama, data: TrainData, params: Params, precision: Precision,

@@ -33,10 +33,12 @@ class Interval:
 def log_interval(step: int, rates: dict[str, float], grad_norm: float, interval: Interval,
                  skipped: int, tokens_per_step: int, flops_per_step: float, peak: float | None,
                  device: torch.device, max_steps: int, run: Any,
-                 log: Callable[[str], None]) -> dict[str, Any]:
+                 log: Callable[[str], None],
+                 denominators: dict[str, str] | None = None) -> dict[str, Any]:
     """Report the interval since the last log line; return its plots/train.tsv row.
 
-    ``rates``: ``lr`` and, with Muon, ``lr_muon`` (each group's current rate)."""
+    ``rates``: ``lr`` and, with Muon, ``lr_muon`` (each group's current rate);
+    ``denominators``: the objective's ``stat_denominators`` (``_stat_means``)."""
     now = time.perf_counter()
     steps = step - interval.start_step
     seconds = max(now - interval.start_time - interval.excluded, 1e-9)
@@ -46,7 +48,7 @@ def log_interval(step: int, rates: dict[str, float], grad_norm: float, interval:
     metrics = {"loss": loss, **rates, "grad_norm": grad_norm, "tokens_per_sec": tps,
                "skipped_steps": skipped, "memory_mb": memory_mb(device),
                "tflops": steps * flops_per_step / seconds / 1e12}
-    averaged = _stat_means(interval.stats)
+    averaged = _stat_means(interval.stats, denominators or {})
     metrics.update(averaged)
     if peak:
         metrics["mfu"] = metrics["tflops"] * 1e12 / peak
@@ -61,8 +63,9 @@ def log_interval(step: int, rates: dict[str, float], grad_norm: float, interval:
             "tokens_per_sec": tps, **averaged}
 
 
-def _stat_means(sums: dict[str, float]) -> dict[str, float]:
-    """An objective's interval sums as means over the items the first stat counts.
+def _stat_means(sums: dict[str, float], denominators: dict[str, str]) -> dict[str, float]:
+    """An objective's interval sums as means over the items the first stat counts, or
+    over the stat ``denominators`` names for them (not logged themselves).
 
     Objectives return sums (e.g. ``pairs``, then per-pair figures summed), so a mean
     over micro-batches, ranks and steps weighs every item once.
@@ -70,8 +73,13 @@ def _stat_means(sums: dict[str, float]) -> dict[str, float]:
     if not sums:
         return {}
     names = list(sums)
-    n = sums[names[0]]
-    return {name: sums[name] / n if n else float("nan") for name in names[1:]}
+    means = {}
+    for name in names[1:]:
+        if name in denominators.values():
+            continue
+        n = sums[denominators.get(name, names[0])]
+        means[name] = sums[name] / n if n else float("nan")
+    return means
 
 
 def log_samples(model: Llama, prompts: list[tuple[str, list[int]]],

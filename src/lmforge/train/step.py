@@ -28,7 +28,9 @@ def optimizer_step(step_model: torch.nn.Module, ddp: DistributedDataParallel | N
     ranks): each micro-batch weighs by its share of those tokens, so one with few targets
     (a short prompt-masked fine-tuning example) counts little and one with none counts
     zero, never NaN. With equal counts, as in pretraining, that is the plain mean of the
-    micro-batch losses, computed as ``loss / accum`` exactly as before.
+    micro-batch losses, computed as ``loss / accum`` exactly as before. An objective whose
+    loss has parts (DPO with replay) gets each part's mean over the step, summed
+    (``micro_share``).
 
     A non-finite loss or grad norm skips the update. That test needs one host sync per
     optimizer step; loss and grad norm travel in it, so logging costs nothing more.
@@ -64,10 +66,15 @@ def _accumulate(step_model: torch.nn.Module, ddp: DistributedDataParallel | None
     # (inputs, targets) or, with document masking, (inputs, targets, positions).
     batches = [[torch.as_tensor(t) for t in loader.next_batch()] for _ in range(accum)]
     counts = [objective.count(b) for b in batches]
-    # Pretraining windows (no loss mask) are all targets on every rank: the step's count
-    # is known without asking the other ranks.
-    masked = getattr(getattr(loader, "shards", None), "has_loss_mask", True)
-    total = step_target_count(sum(counts), env) if masked else sum(counts) * env.world_size
+    if isinstance(counts[0], tuple):  # a loss of parts, each a mean over its own items
+        total: int | tuple[int, ...] = step_target_count(
+            tuple(sum(part) for part in zip(*counts, strict=True)), env)
+    else:
+        # Pretraining windows (no loss mask) are all targets on every rank: the step's
+        # count is known without asking the other ranks.
+        masked = getattr(getattr(loader, "shards", None), "has_loss_mask", True)
+        total = (step_target_count(sum(counts), env) if masked
+                 else sum(counts) * env.world_size)
     loss_sum = torch.zeros((), device=env.device)
     stat_sums = torch.zeros(len(objective.stats), device=env.device)
     for micro, (host, count) in enumerate(zip(batches, counts, strict=True)):
@@ -80,20 +87,40 @@ def _accumulate(step_model: torch.nn.Module, ddp: DistributedDataParallel | None
                 loss, stats = objective.loss(step_model, batch)
             if stats is not None:
                 stat_sums += stats.detach().float()
-            if count:
-                # DDP averages over ranks, hence the world size in the share.
-                weighted = loss / (total / (count * env.world_size))
+            weighted = micro_share(loss, count, total, env.world_size)
+            if weighted is not None:
                 loss_sum += weighted.detach().float()
             else:  # its loss is NaN (no targets), its gradient zero: weigh it zero
-                weighted = loss * 0.0
+                weighted = loss.sum() * 0.0 if isinstance(count, tuple) else loss * 0.0
             scaler.scale(weighted).backward()
     return loss_sum, stat_sums
 
 
-def step_target_count(local: int, env: DistEnv) -> int:
-    """Target tokens of this optimizer step over all ranks (at least 1)."""
+def micro_share(loss: torch.Tensor, count: int | tuple[int, ...],
+                total: int | tuple[int, ...], world_size: int) -> torch.Tensor | None:
+    """A micro-batch's term of the step's loss: its mean loss times its share of the
+    step's items (``count`` of ``total``); None when it has none.
+
+    DDP averages over ranks, hence the world size in the share. A loss of parts
+    (``count`` a tuple, ``loss`` the parts' means, e.g. DPO's pairs and its replay
+    tokens) weighs each part by its own share, so the step's loss is the sum of each
+    part's mean over the whole step; a part with no items here adds nothing.
+    """
+    if not isinstance(count, tuple):
+        return loss / (total / (count * world_size)) if count else None
+    assert isinstance(total, tuple)
+    terms = [loss[k] / (t / (c * world_size))
+             for k, (c, t) in enumerate(zip(count, total, strict=True)) if c]
+    return torch.stack(terms).sum() if terms else None
+
+
+def step_target_count(local: int | tuple[int, ...], env: DistEnv) -> int | tuple[int, ...]:
+    """Target tokens (or whatever the objective counts) of this optimizer step over all
+    ranks, at least 1; a tuple of counts (a loss of parts) gives one total per part."""
+    parts = local if isinstance(local, tuple) else (local,)
     if env.distributed:
-        t = torch.tensor([local], dtype=torch.int64, device=env.device)
+        t = torch.tensor(parts, dtype=torch.int64, device=env.device)
         dist.all_reduce(t)
-        local = int(t.item())
-    return max(local, 1)
+        parts = tuple(int(x) for x in t.tolist())
+    totals = tuple(max(x, 1) for x in parts)
+    return totals if isinstance(local, tuple) else totals[0]
