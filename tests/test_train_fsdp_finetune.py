@@ -1,6 +1,7 @@
 """strategy: fsdp for fine-tuning under two gloo ranks on CPU: LoRA on a warm-started
-model and DPO with a sharded reference follow the DDP trajectory, and the model handed
-on is the whole one (adapters included) that DDP hands on."""
+model and DPO with a sharded reference (with and without pretraining replay) follow the
+DDP trajectory, and the model handed on is the whole one (adapters included) that DDP
+hands on."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from chat_tokenizer import train as train_tokenizer
@@ -20,12 +22,14 @@ from lmforge.finetune.build_pairs import build_pairs
 from lmforge.model import Llama
 from lmforge.model.saved import save_model
 from lmforge.shards.loader import ShardSet
+from lmforge.shards.writer import write_shards
 
 pytestmark = pytest.mark.slow
 
 # One run of the loop on the packed pairs, as each rank runs it. argv: strategy, mode
 # (sft-lora: next-token loss on the responses, LoRA on the warm-started model; dpo: the
-# full model against a frozen reference), output directory.
+# full model against a frozen reference; dpo-replay: the same with a quarter of the rows
+# from pretraining shards), output directory.
 _RUN = textwrap.dedent("""
     import json, sys
     from pathlib import Path
@@ -33,6 +37,7 @@ _RUN = textwrap.dedent("""
     from lmforge.config import DpoConfig, LoraConfig, ModelConfig, Params
     from lmforge.model.lora import lora_modules, merge_lora
     from lmforge.model.saved import load_model
+    from lmforge.shards.loader import ShardSet
     from lmforge.train.distributed import setup, teardown
     from lmforge.train.dpo import make_objective
     from lmforge.train.fsdp import is_sharded
@@ -45,9 +50,11 @@ _RUN = textwrap.dedent("""
     cfg = DpoConfig(max_steps=8, micro_batch_size=4, max_lr=3e-3, warmup=2, log_every=1,
                     eval_every=4, eval_batches=0, ckpt_every=4, keep_last=2, num_threads=1,
                     compile=False, beta=0.5, init_from="base", strategy=strategy, lora=lora,
-                    seed=3)
+                    seed=3, replay=0.25 if mode == "dpo-replay" else 0.0)
     params = Params(model=load_model("base")[0].config, train=cfg, dpo=cfg)
-    if mode == "dpo":  # the stage's reference: under fsdp built sharded from base's rows
+    if cfg.replay:
+        data.replay, data.replay_share = ShardSet("shards/train"), cfg.replay
+    if mode != "sft-lora":  # the stage's reference: under fsdp built sharded from base's rows
         data.objective = make_objective(params, params, data, env)
         assert is_sharded(data.objective.reference) == (strategy == "fsdp")
     result = train(params, data, out / "checkpoints", "t" * 64, env, track=False)
@@ -72,6 +79,10 @@ def workdir(tmp_path_factory) -> Path:
     base = Llama(ModelConfig(n_layer=2, n_head=2, n_embd=32, seq_len=SEQ, doc_mask=True),
                  ShardSet(root / "pairs" / "train").vocab_size)
     save_model(base, root / "base", tokenizer)
+    rng = np.random.default_rng(2)  # pretraining documents for replay
+    write_shards(root / "shards" / "train",
+                 [[int(t) for t in rng.integers(8, base.vocab_size, 150)] for _ in range(20)],
+                 base.vocab_size)
     (root / "run.py").write_text(_RUN, encoding="utf-8")
     return root
 
@@ -117,3 +128,11 @@ def test_dpo_with_a_sharded_reference_follows_ddp(workdir):
     assert_same_run(ddp, fsdp, ("loss", "grad_norm", "reward_margin", "reward_accuracy",
                                 "val_loss", "val_reward_accuracy", "val_kl_per_token"))
     assert fsdp[0]["metrics"]["val_kl_per_token"] > 0
+
+
+def test_dpo_with_replay_under_fsdp_follows_ddp(workdir):
+    """Replay rows on each rank, the step's pairs and replay tokens counted over both."""
+    ddp, fsdp = run(workdir, "ddp", "dpo-replay"), run(workdir, "fsdp", "dpo-replay")
+    assert_same_run(ddp, fsdp, ("loss", "grad_norm", "reward_margin", "replay_loss",
+                                "val_loss", "val_kl_per_token"))
+    assert all(row["replay_loss"] > 0 for row in fsdp[0]["history"])
