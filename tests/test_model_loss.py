@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lmforge.config import ModelConfig
-from lmforge.model.compiling import before_compile
+from lmforge.model.frozen import compile_step_model
 from lmforge.model.llama import Llama
 from lmforge.model.loss import (
     CHUNK_ELEMENTS,
@@ -82,7 +82,11 @@ def test_no_grad_path_computes_the_loss_only():
         assert torch.allclose(loss, cross_entropy(x @ w.t(), t).detach())
     with FlopCounterMode(display=False) as counter:
         linear_cross_entropy(x, w, t, chunk_tokens=6)
-    assert counter.get_total_flops() > one_matmul  # (the in-place addmm_ is not counted)
+    assert counter.get_total_flops() == 3 * one_matmul  # and those of both gradients
+    w.requires_grad_(False)  # a frozen head (LoRA): no weight gradient
+    with FlopCounterMode(display=False) as counter:
+        linear_cross_entropy(x, w, t, chunk_tokens=6)
+    assert counter.get_total_flops() == 2 * one_matmul
 
 
 @pytest.mark.parametrize("bad", [-1, 50])
@@ -178,28 +182,59 @@ def test_a_process_that_never_compiles_never_imports_dynamo():
     assert out.strip() == "[]", out
 
 
-@pytest.mark.skipif(compile_support(torch.device("cpu")) is not None,
-                    reason="torch.compile cannot build here")
-def test_under_compile_the_fused_loss_runs_eager_and_equals_the_eager_model():
-    """before_compile() (every compile site calls it) keeps the chunked loss out of the
-    graph: Dynamo skips it (runs it eager) instead of unrolling its loop over chunks."""
+needs_compile = pytest.mark.skipif(compile_support(torch.device("cpu")) is not None,
+                                   reason="torch.compile cannot build here")
+
+
+@needs_compile
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("doc_mask", [False, True])
+def test_the_compiled_training_forward_has_no_graph_break(autocast, doc_mask):
+    """The step's compiled module (compile_step_model, as the loop builds it) traces the
+    training forward with targets as one graph: the chunked loss is one node of it (the
+    custom op lmforge::linear_cross_entropy), not a break to an eager function."""
     import torch._dynamo
 
-    model = make(3)
+    model = make(3).train()
     x = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(4))
-    eager = model(x, x)[1]
-    before_compile()
+    extra = {"positions": torch.arange(48).remainder(20).repeat(2, 1)} if doc_mask else {}
+    step_model = compile_step_model(model, model, None)
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(model)(x, x)
-    reasons = [str(b.reason) for b in explained.break_reasons]
-    assert any("disable()" in r and "_linear_cross_entropy" in r for r in reasons), reasons
-    compiled = torch.compile(model)(x, x)[1]
-    assert compiled.item() == pytest.approx(eager.item(), rel=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        explained = torch._dynamo.explain(step_model)(x, x.roll(-1, 1), **extra)
+    assert [str(b.reason) for b in explained.break_reasons] == []
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    ops = [n.target for g in explained.graphs for n in g.graph.nodes]
+    assert torch.ops.lmforge.linear_cross_entropy in ops
+
+
+@needs_compile
+def test_the_compiled_loss_equals_the_eager_one():
+    """Compiled, the op runs the eager arithmetic: the same bits from the same inputs;
+    and the compiled model's loss and gradients match the eager model's."""
+    torch._dynamo.reset()
+    x, w, t = _inputs(n=64, c=32, v=80)
+    eager = _loss_and_grads(lambda: linear_cross_entropy(x, w, t, 0.1, 1e-3, 16), x, w)
+    compiled_fn = torch.compile(linear_cross_entropy)
+    compiled = _loss_and_grads(lambda: compiled_fn(x, w, t, 0.1, 1e-3, 16), x, w)
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a, b)
+    model = make(5).train()
+    idx = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(6))
+    results = []
+    for step_model in (model, compile_step_model(model, model, None)):
+        model.zero_grad(set_to_none=True)
+        loss = step_model(idx, idx.roll(-1, 1))[1]
+        loss.backward()
+        results.append((loss.detach(), model.layers[0].attn.wq.weight.grad.clone(),
+                        model.lm_head.weight.grad.clone()))
+    for a, b in zip(*results, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_every_compile_site_calls_before_compile():
-    """A torch.compile without before_compile() would trace the chunked loss's loop into
-    its graph and miss the deterministic-kernels flag: every file that compiles calls it."""
+    """A torch.compile without before_compile() would miss the deterministic-kernels
+    flag: every file that compiles calls it."""
     root = Path(__file__).resolve().parents[1]
     sites = [p for d in ("src", "bench", "scripts", "stages") for p in (root / d).rglob("*.py")
              if re.search(r"torch\.compile\(|\.compile\(\)", p.read_text(encoding="utf-8"))]
