@@ -37,9 +37,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     label_smoothing: float = 0.0
     z_loss: float = 0.0
-    # Loss straight from the hidden states in cache-sized chunks, never building the
-    # B x T x vocab logits (model/loss.py); false = plain lm_head + cross_entropy.
-    fused_loss: bool = True
+    # true: the loss straight from the hidden states in cache-sized chunks, never building
+    # the B x T x vocab logits (model/loss.py); false: plain lm_head + cross_entropy; auto:
+    # chunked on CPU, on CUDA the fastest path that fits, by a timed probe (train/loss_choice.py).
+    fused_loss: Literal["auto", True, False] = "auto"
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     device: str = "auto"
     # torch.compile the training step: auto = wherever Inductor can build (train/compiler.py).

@@ -27,7 +27,12 @@ from torch.utils.checkpoint import checkpoint
 from lmforge.config import ModelConfig, RopeScalingConfig
 from lmforge.model import ops
 from lmforge.model.frozen import compute_weight, frozen_linear
-from lmforge.model.loss import cross_entropy, linear_cross_entropy
+from lmforge.model.loss import (
+    LIGER,
+    cross_entropy,
+    liger_linear_cross_entropy,
+    linear_cross_entropy,
+)
 
 
 def ffn_hidden_size(cfg: ModelConfig) -> int:
@@ -302,8 +307,9 @@ def init_parameter(name: str, p: torch.Tensor, n_layer: int, zero_proj: bool = F
 class Llama(nn.Module):
     """The decoder. ``forward(idx)`` -> logits; ``forward(idx, targets)`` -> (logits, loss).
 
-    With ``fused_loss`` (the default) ``forward(idx, targets)`` returns ``(None, loss)``:
-    the loss comes from the hidden states without materialising the logits.
+    With ``fused_loss`` (the default; True or LIGER) ``forward(idx, targets)`` returns
+    ``(None, loss)``: the loss comes from the hidden states without materialising the
+    logits. With it False, the logits and :meth:`loss` of them.
     """
 
     def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
@@ -314,7 +320,10 @@ class Llama(nn.Module):
         self.activation_checkpointing = False
         self.label_smoothing = 0.0
         self.z_loss = 0.0
-        self.fused_loss = True  # loss from hidden states in cache-sized chunks (loss.py)
+        # The loss from the hidden states: True, in cache-sized chunks (loss.py's custom
+        # op); False, plain logits + cross_entropy; LIGER, Liger-Kernel's (CUDA). The run
+        # sets it from train.fused_loss (train/loss_choice.py).
+        self.fused_loss: bool | str = True
         self.tok_embeddings = nn.Embedding(vocab_size, cfg.n_embd)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
@@ -373,10 +382,10 @@ class Llama(nn.Module):
         if cache is not None:
             cache.pos += T
         x = self.norm(x)
-        if targets is not None and self.fused_loss:
+        if targets is not None and self.fused_loss:  # True (chunked) or LIGER
             head = compute_weight(self.lm_head.weight, x)  # a 16-bit frozen head: see frozen.py
-            return None, linear_cross_entropy(x, head, targets, self.label_smoothing,
-                                              self.z_loss)
+            fused = liger_linear_cross_entropy if self.fused_loss == LIGER else linear_cross_entropy
+            return None, fused(x, head, targets, self.label_smoothing, self.z_loss)
         logits = self.lm_head(x)
         if targets is None:
             return logits

@@ -19,6 +19,7 @@ from lmforge.model.lora import apply_lora
 from lmforge.model.saved import WEIGHTS, extend_context, load_checkpoint_model, load_model
 from lmforge.train.distributed import DistEnv
 from lmforge.train.fsdp import build_sharded, ensure_process_group, shard_model
+from lmforge.train.loss_choice import static_fused_loss
 from lmforge.train.warm_start import check_model_dir, source_architecture, warm_start
 
 
@@ -48,7 +49,7 @@ def build_model(params: Params, vocab: int, env: DistEnv, bf16: bool, compile_bl
             hold_frozen_in(model, _base_dtype(cfg, env))
         _shard_whole(model, cfg, env, bf16, compile_blocks)
     model.label_smoothing, model.z_loss = cfg.label_smoothing, cfg.z_loss
-    model.fused_loss = cfg.fused_loss
+    model.fused_loss = static_fused_loss(cfg.fused_loss)  # auto: a CUDA run probes later
     model.activation_checkpointing = cfg.activation_checkpointing
     return model, note
 

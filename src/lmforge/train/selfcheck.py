@@ -164,7 +164,7 @@ class _Checks:
         torch.manual_seed(self.cfg.seed)
         model = Llama(self.mcfg, self.vocab).to(self.device)
         model.label_smoothing, model.z_loss = self.cfg.label_smoothing, self.cfg.z_loss
-        model.fused_loss = self.cfg.fused_loss
+        model.fused_loss = self.cfg.fused_loss is not False  # auto: the chunked loss
         self.model = model
         return f"{model.num_params():,} parameters, {self.precision.name} on {self.device}"
 
