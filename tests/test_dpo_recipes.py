@@ -547,3 +547,20 @@ def test_the_summary_names_loss_and_replay_and_leaves_out_a_kl_it_lacks(tmp_path
     assert post_training_lines(tmp_path) == [
         "dpo       full, simpo loss, beta 2, 70 steps, 4,633 pairs, replay 0.25 of rows; "
         "val reward accuracy 0.690, 124 s"]
+
+
+def test_the_checkpoints_command_counts_dpo_replay_shards_in_the_run_it_expects(
+        pair_data, pretraining):
+    """``lmforge checkpoints`` tells which run params.yaml trains: with dpo.replay that
+    run's data includes the pretraining shards, as the loop's identity does."""
+    from lmforge.train.checkpoints_cli import current_sft_identity
+
+    manifest = json.loads((pretraining / "manifest.json").read_text(encoding="utf-8"))
+    for share in (0.0, 0.25):
+        params = Params(dpo=DpoConfig(replay=share))
+        identity = current_sft_identity(params, pair_data, pretraining.parent,
+                                        Path("no-tokenizer"), stage="dpo")
+        if share:
+            assert identity["data"][-1] == ckpt.manifest_digest(manifest)
+            assert identity["train"]["replay"] == share
+        assert len(identity["data"]) == (3 if share else 2)
