@@ -564,3 +564,33 @@ def test_the_checkpoints_command_counts_dpo_replay_shards_in_the_run_it_expects(
             assert identity["data"][-1] == ckpt.manifest_digest(manifest)
             assert identity["train"]["replay"] == share
         assert len(identity["data"]) == (3 if share else 2)
+
+
+def test_the_dpo_stage_trains_simpo_with_replay_and_says_so(pair_data, pretraining,
+                                                            chat_tokenizer, tmp_path):
+    """The stage end to end: replay shards opened, no reference, the recipe in
+    metrics/dpo.json and the replay loss in plots/dpo.tsv."""
+    from lmforge.model.saved import save_model
+    from lmforge.tokenizer.files import tokenizer_sha256
+    from lmforge.train.dpo import run_dpo_stage
+
+    vocab = ShardSet(pair_data / "train").vocab_size
+    save_model(tiny_model(vocab, 3), tmp_path / "base", chat_tokenizer,
+               tokenizer_sha256=tokenizer_sha256(chat_tokenizer))
+    paths = DpoPaths(train_shards=pair_data / "train", val_shards=pair_data / "val",
+                     replay_shards=pretraining, tokenizer=chat_tokenizer,
+                     checkpoints=tmp_path / "ck", final=tmp_path / "dpo",
+                     metrics=tmp_path / "dpo.json", plots=tmp_path / "dpo.tsv",
+                     val_plots=tmp_path / "dpo_val.tsv")
+    cfg = DpoConfig(init_from=str(tmp_path / "base"), loss="simpo", beta=2.0, replay=0.25,
+                    max_steps=4, micro_batch_size=4, warmup=1, log_every=2, eval_every=0,
+                    eval_batches=1, ckpt_every=4, num_threads=1, compile=False, device="cpu")
+    run_dpo_stage(Params(dpo=cfg), paths)
+    metrics = json.loads(paths.metrics.read_text(encoding="utf-8"))
+    assert (metrics["loss"], metrics["simpo_gamma"]) == ("simpo", 0.5)
+    assert (metrics["replay_row_share"], metrics["replay_weight"]) == (0.25, 1.0)
+    assert "val_kl_per_token" not in metrics and "dpop_lambda" not in metrics
+    header, *rows = paths.plots.read_text(encoding="utf-8").splitlines()
+    assert header.split("\t")[-1] == "replay_loss" and len(rows) == 2
+    assert all(float(row.split("\t")[-1]) > 0 for row in rows)
+    assert (paths.final / "model.safetensors").is_file()
