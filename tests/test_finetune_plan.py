@@ -359,3 +359,12 @@ def test_docs_page_is_the_commands_output():
     for d in (doc, want):  # params.yaml's init choice: no bytes depend on it
         d["model"].pop("zero_init_proj")
     assert {k: doc[k] for k in want} == want
+
+
+def test_auto_loss_in_a_fine_tuning_plan_is_chunked_on_cpu_and_plain_where_it_fits():
+    t = tune("1b")
+    plain = dataclasses.replace(t, setup=dataclasses.replace(t.setup, fused_loss=False))
+    need = ft.total_bytes(plain, 2)
+    assert ft.auto_fused_loss(t, 2, need) is False
+    assert ft.auto_fused_loss(t, 2, need - 1) is True
+    assert ft.auto_fused_loss(dataclasses.replace(t, device="cpu"), 2, 10 * need) is True

@@ -334,3 +334,44 @@ def test_muon_optimizer_row_counts_the_tensors_muon_takes(qk_norm):
     assert mem.optimizer_bytes(muon, "fsdp") == mem.optimizer_bytes(adamw, "fsdp")
     assert "optimizer (Muon/AdamW)" in plan_cli.format_table(pre.plan(muon, 80, 8), "test")
     assert "optimizer (AdamW)" in plan_cli.format_table(pre.plan(adamw, 80, 8), "test")
+
+
+# --------------------------------------------------------------------------- fused_loss: auto
+
+
+def test_auto_loss_is_planned_plain_exactly_where_the_plain_step_fits():
+    s = sh.Setup(ONE_B, 128256, "bf16", world=8)
+    plain = dataclasses.replace(s, fused_loss=False)
+    for strategy in pre.STRATEGIES:
+        need = mem.total_bytes(plain, strategy, 4)
+        assert pre.auto_fused_loss(s, strategy, 4, need) is False  # fits: plain
+        assert pre.auto_fused_loss(s, strategy, 4, need - 1) is True  # does not: chunked
+    # The plain loss's logits cost memory: it fits fewer sequences than the chunked one.
+    assert mem.total_bytes(plain, "ddp", 4) > mem.total_bytes(s, "ddp", 4)
+
+
+def _auto_params(tmp_path: Path) -> Path:
+    text = (REPO / "params.yaml").read_text(encoding="utf-8")
+    out = tmp_path / "params.yaml"
+    out.write_text(text.replace("  fused_loss: true ", "  fused_loss: auto ", 1),
+                   encoding="utf-8")
+    assert load_params(out).train.fused_loss == "auto"
+    return out
+
+
+@pytest.mark.parametrize(("device_gb", "fused"), [(80, False), (0.5, True)])
+def test_cli_plans_auto_as_plain_where_it_fits_else_chunked(tmp_path, capsys, device_gb,
+                                                            fused):
+    params = _auto_params(tmp_path)
+    argv = ["plan", "--params", str(params), "--vocab", str(DEMO_VOCAB), "--device-gb",
+            str(device_gb)]
+    main(argv + ["--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["source"]["fused_loss"] == "auto" and doc["fused_loss"] is fused
+    assert (doc["ddp"]["loss_buffers"] > 0) is fused  # the chunked loss's buffers, or none
+    main(argv)
+    first = capsys.readouterr().out.splitlines()[0]
+    assert f"fused_loss auto: {'chunked' if fused else 'plain'} loss" in first
+    main(argv + ["--no-fused-loss"])  # given on the command line, it is not auto
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "fused_loss auto" not in first and "plain loss" in first

@@ -17,24 +17,36 @@ from typing import Any
 
 from lmforge.config import LoraConfig, ModelConfig, Params, load_params
 from lmforge.errors import ConfigError
+from lmforge.plan import finetune, pretrain
 from lmforge.plan.finetune import Tune, finetune_plan, targets_from
-from lmforge.plan.memory import FRAGMENTATION, RESERVE_GIB
+from lmforge.plan.memory import FRAGMENTATION, RESERVE_GIB, reserve_bytes
 from lmforge.plan.pretrain import NOT_APPLICABLE, ROWS, STRATEGIES, plan
 from lmforge.plan.shapes import GIB, SHAPES, Setup, format_count, format_size
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 TOKENIZER = Path("models/tokenizer")  # the pipeline's, beside params.yaml (either backend)
+# train.fused_loss: auto. A plan on a GPU assumes the plain loss where the step fits with
+# it, else the chunked one; on a CPU (--mode --device cpu) the chunked one, as a run takes.
+AUTO = "auto"
 
 
 # --------------------------------------------------------------------------- tables
 
 
-def format_table(p: dict[str, Any], source: str) -> str:
+def loss_knob(fused: bool, auto: bool = False) -> list[str]:
+    """How a table's first line names the loss: nothing for the chunked one (the
+    default before ``auto``), "plain loss", or what ``fused_loss: auto`` was planned as."""
+    if auto:
+        return [f"fused_loss auto: {'chunked' if fused else 'plain'} loss"]
+    return [] if fused else ["plain loss"]
+
+
+def format_table(p: dict[str, Any], source: str, auto_loss: bool = False) -> str:
     """The pretraining plan (:func:`lmforge.plan.pretrain.plan`) as the table ``lmforge plan``
-    prints."""
+    prints (``auto_loss``: its fused_loss was resolved from ``auto``)."""
     m = p["model"]
     knobs = ([p["precision"]] + (["activation checkpointing"] if p["activation_checkpointing"]
-                                 else []) + ([] if p["fused_loss"] else ["plain loss"])
+                                 else []) + loss_knob(p["fused_loss"], auto_loss)
              + (["doc_mask"] if m["doc_mask"] else []))
     lines = [f"lmforge plan: {format_count(p['params'])} parameters ({source}, vocab {p['vocab']}), "
              f"seq_len {m['seq_len']}, {', '.join(knobs)}, {p['world']} x "
@@ -65,16 +77,16 @@ def format_table(p: dict[str, Any], source: str) -> str:
     return "\n".join(lines)
 
 
-def format_finetune_table(p: dict[str, Any], source: str) -> str:
+def format_finetune_table(p: dict[str, Any], source: str, auto_loss: bool = False) -> str:
     """The fine-tuning plan (:func:`lmforge.plan.finetune.finetune_plan`) as ``lmforge plan
-    --mode`` prints it."""
+    --mode`` prints it (``auto_loss`` as for :func:`format_table`)."""
     m = p["model"]
     what = {"full": "full fine-tuning",
             "lora": f"LoRA r={p.get('rank')} on {','.join(p.get('targets', []))}",
             "qlora": f"QLoRA (NF4 base) r={p.get('rank')} on {','.join(p.get('targets', []))}"}
     extra = (f", {format_count(p['adapter_params'])} adapter parameters"
              if p["mode"] != "full" else "")
-    knobs = [p["precision"]] + ([] if p["fused_loss"] else ["plain loss"]) + (
+    knobs = [p["precision"]] + loss_knob(p["fused_loss"], auto_loss) + (
         ["doc_mask"] if m["doc_mask"] else [])
     where = "GiB GPU" if p["device"] == "cuda" else "GiB CPU RAM"
     lines = [f"lmforge plan: {what[p['mode']]} of {format_count(p['params'])} parameters "
@@ -138,7 +150,8 @@ OVERRIDES = ("n_layer", "n_head", "n_kv_head", "n_embd", "seq_len", "ffn_multipl
 def build_setup(args: argparse.Namespace,
                 params: Params | None = None) -> tuple[Setup, int, dict[str, str]]:
     """The Setup the command line asks about, the micro-batch to total, and where the
-    model and the vocabulary came from (``params``: args.params, already loaded)."""
+    model, the vocabulary and, under ``fused_loss: auto``, the loss path came from
+    (``params``: args.params, already loaded)."""
     for name, low in (("world", 1), ("vocab", 1), ("micro_batch", 1)):
         value = getattr(args, name)
         if value is not None and value < low:
@@ -174,9 +187,20 @@ def build_setup(args: argparse.Namespace,
                   activation_checkpointing=(cfg.activation_checkpointing
                                             if args.activation_checkpointing is None
                                             else args.activation_checkpointing),
-                  fused_loss=fused, optimizer=cfg.optimizer)
+                  fused_loss=fused is not False, optimizer=cfg.optimizer)
     micro_batch = args.micro_batch or cfg.micro_batch_size
-    return setup, micro_batch, {"model": source, "vocab": vocab_source}
+    sources = {"model": source, "vocab": vocab_source}
+    if fused == AUTO:  # planned as the run would hold it under the section's strategy
+        setup = dataclasses.replace(setup, fused_loss=pretrain.auto_fused_loss(
+            setup, cfg.strategy, micro_batch, _budget(args)))
+        sources["fused_loss"] = AUTO
+    return setup, micro_batch, sources
+
+
+def _budget(args: argparse.Namespace) -> int:
+    """The bytes a plan may fill: --device-gb less the reserve (as the plans count it)."""
+    device = int(args.device_gb * GIB)
+    return device - reserve_bytes(device, args.reserve_gb)
 
 
 def build_tune(args: argparse.Namespace) -> tuple[Tune, int, dict[str, str]]:
@@ -201,7 +225,11 @@ def build_tune(args: argparse.Namespace) -> tuple[Tune, int, dict[str, str]]:
                 targets=targets_from(args.targets if args.targets is not None
                                      else lora.targets),
                 device=args.device)
-    return tune, args.micro_batch or 1, source
+    micro_batch = args.micro_batch or 1
+    if source.get("fused_loss") == AUTO:  # re-planned for this mode, device and batch
+        fused = finetune.auto_fused_loss(tune, micro_batch, _budget(args))
+        tune = dataclasses.replace(tune, setup=dataclasses.replace(setup, fused_loss=fused))
+    return tune, micro_batch, source
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -213,14 +241,14 @@ def cmd_plan(args: argparse.Namespace) -> None:
         if args.json:
             print(json.dumps({"source": source, **result}, indent=2))
         else:
-            print(format_finetune_table(result, source["model"]))
+            print(format_finetune_table(result, source["model"], source.get("fused_loss") == AUTO))
         return
     setup, micro_batch, source = build_setup(args)
     result = plan(setup, args.device_gb, micro_batch, args.reserve_gb)
     if args.json:
         print(json.dumps({"source": source, **result}, indent=2))
     else:
-        print(format_table(result, source["model"]))
+        print(format_table(result, source["model"], source.get("fused_loss") == AUTO))
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

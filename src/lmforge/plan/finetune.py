@@ -296,6 +296,16 @@ def check(t: Tune) -> None:
             raise ConfigError("plan: --rank must be >= 1 and --targets non-empty")
 
 
+def auto_fused_loss(t: Tune, micro_batch: int, budget: int) -> bool:
+    """The ``fused_loss`` a ``fused_loss: auto`` fine-tuning run is planned with: True
+    (chunked) on a CPU, as the run takes it there; on a GPU as
+    :func:`lmforge.plan.pretrain.auto_fused_loss`, with this plan's total."""
+    if t.device != "cuda":
+        return True
+    plain = dataclasses.replace(t, setup=dataclasses.replace(t.setup, fused_loss=False))
+    return total_bytes(plain, micro_batch) > budget
+
+
 def finetune_plan(t: Tune, device_gib: float, micro_batch: int,
                   reserve_gib: float = memory.RESERVE_GIB) -> dict[str, Any]:
     """Every figure of the fine-tuning plan, in bytes (the ``--json`` document)."""

@@ -43,6 +43,18 @@ def fit_micro_batch(s: Setup, strategy: str, budget: int) -> int:
                            activation_bytes_per_seq(s, strategy), budget)
 
 
+def auto_fused_loss(s: Setup, strategy: str, micro_batch: int, budget: int) -> bool:
+    """The ``fused_loss`` a ``fused_loss: auto`` run is planned with on a GPU, under
+    ``strategy``: False (the plain loss, the whole logits) when the step with it fits
+    ``budget`` bytes at ``micro_batch``, else True (the chunked loss).
+
+    A run's ``auto`` takes the fastest path that fits, by a timed probe
+    (lmforge.train.loss_choice); a plan times nothing, so it assumes the plain loss,
+    the one to beat at sizes where it fits, and plans its memory."""
+    plain = dataclasses.replace(s, fused_loss=False)
+    return total_bytes(plain, strategy, micro_batch) > budget
+
+
 def plan(s: Setup, device_gib: float, micro_batch: int,
          reserve_gib: float = RESERVE_GIB) -> dict[str, Any]:
     """Every figure of the plan, in bytes, for both strategies (the ``--json`` document)."""
