@@ -394,6 +394,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
     # train.compile is auto: where Inductor can build, this checks the compiled step.
     if compile_support(torch.device("cpu")) is None:
         assert ", compiled" in out, out
+    assert ", chunked loss" in out, out  # the first line names the loss path too
 
     killed = stage_repo(tmp_path / "killed")
     proc = start_stage(killed)
