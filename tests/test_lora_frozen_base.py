@@ -241,8 +241,8 @@ def test_compiled_step_keeps_no_cast_copy_of_a_16_bit_or_nf4_base(dtype, fp32_sa
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", pytest.param("nf4", marks=pytest.mark.skipif(
     importlib.util.find_spec("torchao") is None, reason="torchao is not installed"))])
 def test_a_lora_model_traces_as_one_graph(dtype):
-    """Dynamo traces the adapted model, whatever its base is held in, as one graph up to
-    the fused loss (kept out of graphs on purpose). A check Dynamo cannot trace in the
+    """Dynamo traces the adapted model, whatever its base is held in, as one graph, the
+    chunked loss included (one custom-op node). A check Dynamo cannot trace in the
     frozen Linear (is_nf4 once walked the type's MRO) split it at every layer: ~5 graphs
     a layer."""
     torch._dynamo.reset()
@@ -251,5 +251,8 @@ def test_a_lora_model_traces_as_one_graph(dtype):
     apply_lora(model, 4, 8.0, 0.0, ("attn", "mlp"))
     hold_frozen_in(model, dtype)
     x = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(1))
-    explained = torch._dynamo.explain(model)(x)
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    for args in ((x,), (x, x.roll(-1, 1))):  # logits; the training loss
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(*args)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+        assert explained.break_reasons == []
