@@ -8,9 +8,9 @@ step took 9.6 s against 1.1 s for the forward and backward of its batch (issue 4
 
 :class:`Muon` is ``torch.optim.Muon`` (same constructor, groups, state and checkpoint
 format) with the Newton-Schulz dtype as a per-group option, ``ns_dtype``.
-:func:`newton_schulz_dtype` picks it per device: bfloat16 on CUDA where supported, on a
-CPU whichever of bf16 and float32 a one-off timed probe at the model's matrix shape finds
-faster. The choice is a group option so that it is saved in the optimizer's state dict
+:func:`newton_schulz_dtype` picks it per device: bfloat16 on CUDA where supported; on a
+CPU float32 where PyTorch's kernels stop below AVX-512, else bf16 only when a one-off
+timed probe at the model's matrix shape finds it clearly faster. The choice is a group option so that it is saved in the optimizer's state dict
 and a resumed run continues in the dtype it started with (bit-identical resume), even on
 a machine that would choose otherwise; a checkpoint from before the option carries none
 and resumes in bfloat16, the dtype it was written with.
@@ -31,6 +31,8 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 LEGACY_NS_DTYPE = "bfloat16"  # what torch.optim.Muon always used
 PROBE_MAX_SIDE = 1024  # the probe's matrix is the model's, capped to this per side
+PROBE_ROUNDS = 7  # each dtype's fastest round counts
+BF16_MARGIN = 0.8  # bf16 only when its probe takes at most this share of float32's
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -112,9 +114,11 @@ class Muon(torch.optim.Muon):
 def newton_schulz_dtype(device: torch.device, shape: tuple[int, int]) -> tuple[str, str]:
     """(dtype name, why) for orthogonalising ``shape``-sized matrices on ``device``.
 
-    CUDA: bfloat16 where the GPU supports it (tensor cores), else float32. CPU: a timed
-    probe, since whether bf16 matmul is fast depends on the CPU's units and on which
-    kernels PyTorch may use there, not on the CPU's name. Other devices: torch's bf16.
+    CUDA: bfloat16 where the GPU supports it (tensor cores), else float32. CPU: float32
+    where PyTorch's kernels stop below AVX-512 (no CPU without AVX-512 has bf16 units;
+    ``ATEN_CPU_CAPABILITY`` caps count), else a timed probe, since AVX-512 alone does not
+    bring bf16 units (Skylake, Ice Lake lack them) and whether PyTorch may use them
+    depends on its kernels, not the CPU's name. Other devices: torch's bf16.
     """
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported():
@@ -122,27 +126,32 @@ def newton_schulz_dtype(device: torch.device, shape: tuple[int, int]) -> tuple[s
         return "float32", "CUDA without bf16"
     if device.type != "cpu":
         return LEGACY_NS_DTYPE, f"{device.type}: torch's default"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith(("AVX512", "SVE", "ZVECTOR", "VSX")):
+        return "float32", f"PyTorch's CPU kernels are {capability}: no bf16 units"
     side = tuple(min(int(n), PROBE_MAX_SIDE) for n in sorted(shape))
     bf16, fp32 = probe_seconds(side, torch.get_num_threads())
     ratio = bf16 / fp32
-    name = "bfloat16" if ratio <= 1.0 else "float32"
+    # A wrong bf16 costs 15-70x, a wrong float32 about 2x: bf16 must clearly win.
+    name = "bfloat16" if ratio <= BF16_MARGIN else "float32"
     return name, f"a bf16 matmul takes {ratio:.2f}x float32's on this CPU"
 
 
 @functools.lru_cache(maxsize=8)
 def probe_seconds(side: tuple[int, int], threads: int) -> tuple[float, float]:
-    """Best-of-three seconds of one Newton-Schulz iteration (three matmuls) on a
-    ``side`` matrix in bf16, then float32. Cached per shape and thread count: the
-    answer holds for the process (``threads`` is part of the key only for that)."""
+    """Seconds of one Newton-Schulz iteration (three matmuls) on a ``side`` matrix in
+    bf16 and in float32: the fastest of ``PROBE_ROUNDS`` rounds, the two dtypes taking
+    turns, so that a busy machine (a run slice taken by another process turns a 1 ms
+    matmul into 40 ms) slows both alike and the least disturbed round of each counts.
+    Cached per shape and thread count: the answer holds for the process."""
     x = torch.randn(*side, generator=torch.Generator().manual_seed(0))
-    times = []
-    for dtype in (torch.bfloat16, torch.float32):
-        m = x.to(dtype)
+    inputs = {dtype: x.to(dtype) for dtype in (torch.bfloat16, torch.float32)}
+    best = dict.fromkeys(inputs, math.inf)
+    for dtype, m in inputs.items():
         orthogonalize(m, dtype, steps=1)  # warm-up: oneDNN builds its kernels once
-        best = math.inf
-        for _ in range(3):
+    for _ in range(PROBE_ROUNDS):
+        for dtype, m in inputs.items():
             t0 = time.perf_counter()
             orthogonalize(m, dtype, steps=1)
-            best = min(best, time.perf_counter() - t0)
-        times.append(best)
-    return times[0], times[1]
+            best[dtype] = min(best[dtype], time.perf_counter() - t0)
+    return best[torch.bfloat16], best[torch.float32]
