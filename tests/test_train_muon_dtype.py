@@ -86,25 +86,37 @@ def test_an_unknown_dtype_is_refused():
         Muon([torch.nn.Parameter(torch.zeros(4, 4))], ns_dtype="float16")
 
 
+def no_probe(*args):
+    raise AssertionError("probed: this choice is by capability")
+
+
+@pytest.mark.parametrize("capability, units, want", [
+    ("AVX2", (True, True), "float32"),  # capped below AVX-512: the units are unusable
+    ("DEFAULT", (False, False), "float32"), ("NO AVX", (False, False), "float32"),
+    ("AVX512", (False, False), "float32"),  # Skylake, Ice Lake: bf16 only emulated
+    ("AVX512", (True, False), "bfloat16"), ("AVX512", (False, True), "bfloat16")])
+def test_an_x86_cpu_chooses_by_its_capability_never_by_timing(monkeypatch, capability,
+                                                              units, want):
+    """The same machine always chooses the same: a run's bytes must not depend on how
+    busy the machine was when it started."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: units[0])
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: units[1])
+    monkeypatch.setattr(muon_module, "probe_seconds", no_probe)
+    name, why = newton_schulz_dtype(CPU, (704, 256))
+    assert name == want and capability in why
+    assert ("AMX" in why) == (want == "bfloat16" and units[1])
+
+
 @pytest.mark.parametrize("bf16, fp32, want", [(0.4, 1.0, "bfloat16"), (30.0, 1.0, "float32"),
                                                (0.9, 1.0, "float32")])
-def test_an_avx512_cpu_follows_the_timed_probe_with_a_margin(monkeypatch, bf16, fp32, want):
-    """bf16 only when clearly faster: a wrong bf16 costs 15-70x, a wrong float32 ~2x."""
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+def test_another_cpu_follows_the_timed_probe_with_a_margin(monkeypatch, bf16, fp32, want):
+    """ARM's SVE and the rest: bf16 only when clearly faster (a wrong bf16 costs
+    15-70x, a wrong float32 ~2x)."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "SVE256")
     monkeypatch.setattr(muon_module, "probe_seconds", lambda side, threads: (bf16, fp32))
     name, why = newton_schulz_dtype(CPU, (704, 256))
     assert name == want and f"{bf16 / fp32:.2f}x" in why
-
-
-@pytest.mark.parametrize("capability", ["AVX2", "DEFAULT", "NO AVX"])
-def test_a_cpu_below_avx512_takes_float32_without_a_probe(monkeypatch, capability):
-    def no_probe(*a):
-        raise AssertionError("probed")
-
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    monkeypatch.setattr(muon_module, "probe_seconds", no_probe)
-    name, why = newton_schulz_dtype(CPU, (704, 256))
-    assert name == "float32" and capability in why
 
 
 def test_the_probe_keeps_each_dtypes_least_disturbed_round(monkeypatch):
@@ -120,9 +132,6 @@ def test_the_probe_keeps_each_dtypes_least_disturbed_round(monkeypatch):
 
 
 def test_cuda_takes_bf16_by_capability_without_a_probe(monkeypatch):
-    def no_probe(*a):
-        raise AssertionError("probed on CUDA")
-
     monkeypatch.setattr(muon_module, "probe_seconds", no_probe)
     for supported, want in ((True, "bfloat16"), (False, "float32")):
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda s=supported: s)
@@ -130,7 +139,7 @@ def test_cuda_takes_bf16_by_capability_without_a_probe(monkeypatch):
 
 
 def test_the_optimizer_records_the_dtype_and_says_why(monkeypatch):
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "SVE256")
     monkeypatch.setattr(muon_module, "probe_seconds", lambda side, threads: (9.0, 1.0))
     logs: list[str] = []
     opt = build_optimizer(tiny_model(), muon_cfg(), CPU, logs.append)
@@ -180,4 +189,4 @@ def test_a_process_capped_to_avx2_orthogonalises_in_float32():
             "print(*newton_schulz_dtype(torch.device('cpu'), (704, 256)), sep='|')")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True).stdout.strip()
-    assert out == "float32|PyTorch's CPU kernels are AVX2: no bf16 units", out
+    assert out == "float32|PyTorch's CPU kernels are AVX2, without bf16 units", out

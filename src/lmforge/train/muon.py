@@ -8,9 +8,9 @@ step took 9.6 s against 1.1 s for the forward and backward of its batch (issue 4
 
 :class:`Muon` is ``torch.optim.Muon`` (same constructor, groups, state and checkpoint
 format) with the Newton-Schulz dtype as a per-group option, ``ns_dtype``.
-:func:`newton_schulz_dtype` picks it per device: bfloat16 on CUDA where supported; on a
-CPU float32 where PyTorch's kernels stop below AVX-512, else bf16 only when a one-off
-timed probe at the model's matrix shape finds it clearly faster. The choice is a group option so that it is saved in the optimizer's state dict
+:func:`newton_schulz_dtype` picks it per device, by capability: bfloat16 on CUDA where
+supported and on x86 CPUs with bf16 units (AVX-512 BF16, AMX), float32 on other x86 CPUs;
+elsewhere a one-off timed probe at the model's matrix shape. The choice is a group option so that it is saved in the optimizer's state dict
 and a resumed run continues in the dtype it started with (bit-identical resume), even on
 a machine that would choose otherwise; a checkpoint from before the option carries none
 and resumes in bfloat16, the dtype it was written with.
@@ -114,11 +114,14 @@ class Muon(torch.optim.Muon):
 def newton_schulz_dtype(device: torch.device, shape: tuple[int, int]) -> tuple[str, str]:
     """(dtype name, why) for orthogonalising ``shape``-sized matrices on ``device``.
 
-    CUDA: bfloat16 where the GPU supports it (tensor cores), else float32. CPU: float32
-    where PyTorch's kernels stop below AVX-512 (no CPU without AVX-512 has bf16 units;
-    ``ATEN_CPU_CAPABILITY`` caps count), else a timed probe, since AVX-512 alone does not
-    bring bf16 units (Skylake, Ice Lake lack them) and whether PyTorch may use them
-    depends on its kernels, not the CPU's name. Other devices: torch's bf16.
+    By capability wherever it is known, so that a machine always makes the same choice
+    (a run's outputs must not depend on how busy the machine was): CUDA takes bfloat16
+    where the GPU supports it. An x86 CPU takes bfloat16 only with bf16 units (AVX-512
+    BF16 or AMX, the units PyTorch's oneDNN bf16 matmul runs on) and kernels allowed to
+    use them, float32 otherwise: below AVX-512 (or capped there by
+    ``ATEN_CPU_CAPABILITY``) a bf16 matmul is a slow reference kernel, 15-70x float32's;
+    on AVX-512 without bf16 units it is emulated, no faster. Other CPUs (ARM's SVE...):
+    a timed probe. Other devices: torch's bf16.
     """
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported():
@@ -127,14 +130,26 @@ def newton_schulz_dtype(device: torch.device, shape: tuple[int, int]) -> tuple[s
     if device.type != "cpu":
         return LEGACY_NS_DTYPE, f"{device.type}: torch's default"
     capability = torch.backends.cpu.get_cpu_capability()
-    if not capability.startswith(("AVX512", "SVE", "ZVECTOR", "VSX")):
-        return "float32", f"PyTorch's CPU kernels are {capability}: no bf16 units"
+    units = _x86_bf16_units()
+    if capability in ("DEFAULT", "NO AVX", "AVX2") or (capability == "AVX512" and not units):
+        return "float32", f"PyTorch's CPU kernels are {capability}, without bf16 units"
+    if capability == "AVX512":
+        return "bfloat16", f"PyTorch's CPU kernels are AVX512, with {units}"
     side = tuple(min(int(n), PROBE_MAX_SIDE) for n in sorted(shape))
     bf16, fp32 = probe_seconds(side, torch.get_num_threads())
     ratio = bf16 / fp32
     # A wrong bf16 costs 15-70x, a wrong float32 about 2x: bf16 must clearly win.
     name = "bfloat16" if ratio <= BF16_MARGIN else "float32"
     return name, f"a bf16 matmul takes {ratio:.2f}x float32's on this CPU"
+
+
+def _x86_bf16_units() -> str:
+    """The x86 bf16 units this CPU has ("AVX-512 BF16", "AMX", both), or "" (none, not
+    x86, or a torch that cannot say)."""
+    found = [name for name, check in (("AVX-512 BF16", "_is_avx512_bf16_supported"),
+                                      ("AMX", "_is_amx_tile_supported"))
+             if getattr(torch.cpu, check, lambda: False)()]
+    return " and ".join(found)
 
 
 @functools.lru_cache(maxsize=8)
