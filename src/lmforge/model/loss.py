@@ -125,7 +125,9 @@ def _loss_and_grads(x: Tensor, weight: Tensor, targets: Tensor, smooth: float, z
     """The op's body: the loss summed chunk by chunk, and the per-token gradients."""
     xd, wd = x.detach().to(dtype), weight.detach().to(dtype)
     grad_x = torch.empty(xd.shape, dtype=dtype, device=x.device) if want_x else None
-    grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+    # Contiguous, as the fake says (Inductor holds the op to its fake's layout).
+    grad_w = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w
+              else None)
     vocab = weight.size(0)
     valid = targets != IGNORE_INDEX
     # A target outside the vocabulary makes the loss NaN (the loop's non-finite
