@@ -7,6 +7,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -547,6 +550,15 @@ def test_the_summary_names_loss_and_replay_and_leaves_out_a_kl_it_lacks(tmp_path
     assert post_training_lines(tmp_path) == [
         "dpo       full, simpo loss, beta 2, 70 steps, 4,633 pairs, replay 0.25 of rows; "
         "val reward accuracy 0.690, 124 s"]
+    # As make demo runs it, a module (a helper defined below its __main__ block was
+    # missing there though every import found it).
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "dpo.json").write_text(json.dumps(simpo), encoding="utf-8")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    done = subprocess.run([sys.executable, "-m", "lmforge.summary"], cwd=tmp_path,
+                          capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": src})
+    assert done.returncode == 0 and "simpo loss" in done.stdout, done.stderr
 
 
 def test_the_checkpoints_command_counts_dpo_replay_shards_in_the_run_it_expects(

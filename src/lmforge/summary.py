@@ -97,10 +97,6 @@ def post_training_lines(m: Path) -> list[str]:
     return lines
 
 
-if __name__ == "__main__":
-    print(summary())
-
-
 def _dpo_line(dpo: dict) -> str:
     """metrics/dpo.json in one line: the loss and replay when not plain DPO's, and the
     KL to the reference when there is one (SimPO has none)."""
@@ -115,3 +111,7 @@ def _dpo_line(dpo: dict) -> str:
             + f"; val reward accuracy {reward:.3f}"
             + (f", KL to reference {kl:.4f}/token" if kl is not None else "")
             + f", {dpo['wall_seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    print(summary())
