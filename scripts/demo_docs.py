@@ -169,9 +169,13 @@ def block_domains(found: dict[str, Figures], root: Path) -> str:
 
 
 def _script(path: Path):
-    """A script that is no package module (scripts/, bench/), loaded from its file."""
+    """A script that is no package module (scripts/, bench/), loaded from its file.
+
+    Registered in ``sys.modules`` before it runs, as importlib's recipe does: a
+    dataclass there looks its module up by name."""
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -198,10 +202,22 @@ def block_ablation_large(found: dict[str, Figures], root: Path) -> str:
     return _ttq_table(root, "time_to_quality_8x512_100steps.json")
 
 
+def block_dpo_recipes(found: dict[str, Figures], root: Path) -> str:
+    """Issue 45's DPO recipe sweep (bench/dpo_recipe_sweep.py's table of the committed
+    bench/results/dpo_recipes.json), or a note that it has not been measured yet."""
+    path = root / "bench/results/dpo_recipes.json"
+    if not path.is_file():
+        return ("*Not yet measured: `python bench/dpo_recipe_sweep.py --out "
+                "bench/results/dpo_recipes.json` runs the sweep.*\n")
+    sweep = _script(root / "bench/dpo_recipe_sweep.py")
+    return sweep.markdown(json.loads(path.read_text(encoding="utf-8"))) + "\n"
+
+
 BLOCKS: dict[str, Callable[[dict[str, Figures], Path], str]] = {
     "summary": block_summary, "headline": block_headline, "harness": block_harness,
     "post": block_post, "domains": block_domains, "ablation_demo": block_ablation_demo,
-    "ablation_large": block_ablation_large, "ablation_nobf": block_ablation_nobf}
+    "ablation_large": block_ablation_large, "ablation_nobf": block_ablation_nobf,
+    "dpo_recipes": block_dpo_recipes}
 
 
 def plan_output(m: re.Match) -> str:
