@@ -11,7 +11,9 @@ val KL per token and the dpo stage's wall time (metrics/dpo.json), and whether t
 recipe is on the Pareto front of preference accuracy against forgetting.
 
 Every recipe sets all the keys it sweeps, so it means the same run whatever the
-defaults in params.yaml are. One seed each (``dpo.seed`` as params.yaml has it).
+defaults in params.yaml are. One seed each (``dpo.seed`` as params.yaml has it). It
+queues only from a baseline that is committed and up to date (``dvc status`` clean), so
+no recipe reruns the stages before ``dpo``; a recipe already run on this commit is kept.
 
     python bench/dpo_recipe_sweep.py --out bench/results/dpo_recipes.json  # queue, run
     python bench/dpo_recipe_sweep.py --report-only      # the table of experiments run
@@ -155,13 +157,24 @@ def select(names: str | None, recipes: tuple[Recipe, ...] = RECIPES) -> list[Rec
     return [r for r in recipes if r.name in wanted]
 
 
-def dirty_pipeline_files() -> list[str]:
-    """params.yaml, dvc.yaml, dvc.lock where they differ from git's HEAD: a queued
-    experiment takes the workspace as it is, so such a change would reach every recipe
-    (and may rerun pretraining in each)."""
+def uncommitted_pipeline_files() -> list[str]:
+    """params.yaml, dvc.yaml and dvc.lock where they differ from git's HEAD."""
     out = subprocess.run(["git", "status", "--porcelain", "--", "params.yaml", "dvc.yaml",
                           "dvc.lock"], capture_output=True, text=True).stdout
     return [line[3:] for line in out.splitlines()]
+
+
+def pipeline_problems() -> list[str]:
+    """Why the workspace is no baseline to queue from: params.yaml, dvc.yaml or dvc.lock
+    differing from HEAD (a queued experiment takes the workspace as it is, so the change
+    would reach every recipe), or stages ``dvc status`` finds changed (dvc.lock behind
+    params.yaml, say: every recipe would rerun them, pretraining included)."""
+    problems = [f"uncommitted changes in {path}" for path in uncommitted_pipeline_files()]
+    stale = sorted(json.loads(dvc("status", "--json") or "{}"))
+    if stale:
+        problems.append(f"stages not up to date: {', '.join(stale)} (dvc repro, then "
+                        "commit dvc.lock)")
+    return problems
 
 
 def run_on_head() -> set[str]:
@@ -334,17 +347,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recipes", help="comma-separated recipe names (default: all)")
     ap.add_argument("--out", type=Path, help="also write the results JSON here")
     ap.add_argument("--allow-dirty", action="store_true",
-                    help="queue although params.yaml/dvc.yaml/dvc.lock differ from HEAD")
+                    help="queue although params.yaml/dvc.yaml/dvc.lock differ from HEAD "
+                    "or stages are not up to date")
     args = ap.parse_args(argv)
     recipes = select(args.recipes)
     if args.dry_run:
         print("\n".join(command(r) for r in recipes))
         return 0
     if not args.report_only:
-        dirty = dirty_pipeline_files()
-        if dirty and not args.allow_dirty:
-            print(f"error: uncommitted changes in {', '.join(dirty)} would reach every "
-                  "experiment; commit them or pass --allow-dirty", file=sys.stderr)
+        problems = [] if args.allow_dirty else pipeline_problems()
+        if problems:
+            print(f"error: {'; '.join(problems)}: each experiment would carry or rerun "
+                  "that; fix it or pass --allow-dirty", file=sys.stderr)
             return 2
         queue(recipes)
     results = collect(experiments(), recipes)

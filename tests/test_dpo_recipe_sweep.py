@@ -85,12 +85,22 @@ def test_queueing_runs_the_dry_run_commands_and_skips_what_ran_on_this_commit(
         ["start", 1], ["wait"]]
 
 
-def test_uncommitted_pipeline_files_stop_a_sweep_before_it_queues(sweep, monkeypatch,
-                                                                  capsys):
-    monkeypatch.setattr(sweep, "dirty_pipeline_files", lambda: ["params.yaml"])
+def test_a_stale_or_uncommitted_pipeline_stops_a_sweep_before_it_queues(
+        sweep, monkeypatch, capsys):
+    """dvc.lock behind params.yaml would make every recipe rerun pretraining."""
+    status = {"train": [{"changed deps": {"params.yaml": {"train.fused_loss": "modified"}}}],
+              "sft": [{"changed deps": {"models/final": "modified"}}]}
+    monkeypatch.setattr(sweep, "dvc", lambda *args: json.dumps(status))
+    monkeypatch.setattr(sweep, "uncommitted_pipeline_files", lambda: ["params.yaml"])
+    assert sweep.pipeline_problems() == [
+        "uncommitted changes in params.yaml",
+        "stages not up to date: sft, train (dvc repro, then commit dvc.lock)"]
     monkeypatch.setattr(sweep, "queue", lambda recipes: pytest.fail("queued"))
     assert sweep.main([]) == 2
-    assert "params.yaml" in capsys.readouterr().err
+    assert "stages not up to date: sft, train" in capsys.readouterr().err
+    monkeypatch.setattr(sweep, "dvc", lambda *args: "{}")
+    monkeypatch.setattr(sweep, "uncommitted_pipeline_files", lambda: [])
+    assert sweep.pipeline_problems() == []
 
 
 # --- the table, from the shape `dvc exp show --json --all-commits` has (DVC 3) ---
