@@ -162,6 +162,19 @@ def unpacked_logps(model: Llama, batch: list[torch.Tensor]) -> dict[int, torch.T
     return out
 
 
+def direct_terms(policy: Llama, ref_model: Llama, batch: list[torch.Tensor]
+                 ) -> tuple[dict, dict, dict, list[int]]:
+    """What a direct computation of a preference loss needs, every sequence run on its
+    own: the policy's and the reference's response log-probs per document, each
+    document's response length, and the pair numbers (documents 2p chosen, 2p+1 rejected)."""
+    pol = unpacked_logps(policy, batch)
+    with torch.no_grad():
+        ref = unpacked_logps(ref_model, batch)
+    targets, docs = batch[1], batch[3]
+    length = {d: int(((docs == d) & (targets != IGNORE_INDEX)).sum()) for d in pol}
+    return pol, ref, length, sorted({d // 2 for d in pol})
+
+
 @pytest.mark.parametrize("nll_weight", [0.0, 0.5])
 def test_dpo_loss_and_gradients_match_a_direct_computation(pair_data, tokenizer, nll_weight):
     directory, _ = pair_data
@@ -176,12 +189,7 @@ def test_dpo_loss_and_gradients_match_a_direct_computation(pair_data, tokenizer,
 
     # Direct: every sequence on its own, log-probs summed by hand, the paper's formula.
     # With nll_weight, plus that times the chosen reply's mean NLL per token (RPO).
-    pol = unpacked_logps(policy, batch)
-    with torch.no_grad():
-        ref = unpacked_logps(ref_model, batch)
-    targets, docs = batch[1], batch[3]
-    length = {d: int(((docs == d) & (targets != IGNORE_INDEX)).sum()) for d in pol}
-    pairs = sorted({d // 2 for d in pol})
+    pol, ref, length, pairs = direct_terms(policy, ref_model, batch)
     terms = [-F.logsigmoid(beta * ((pol[2 * p] - ref[2 * p]) - (pol[2 * p + 1] - ref[2 * p + 1])))
              - nll_weight * pol[2 * p] / length[2 * p] for p in pairs]
     direct = torch.stack(terms).mean()

@@ -18,7 +18,16 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_dpo import CPU, SEQ, dpo_params, good_pairs, lines, tiny_model, unpacked_logps
+from test_dpo import (
+    CPU,
+    SEQ,
+    direct_terms,
+    dpo_params,
+    good_pairs,
+    lines,
+    tiny_model,
+    unpacked_logps,
+)
 
 from lmforge.config import DpoConfig, DpoDataConfig, Params, from_dict
 from lmforge.config.post_training import PREFERENCE_LOSSES
@@ -163,12 +172,7 @@ def test_each_loss_on_packed_rows_matches_each_sequence_scored_alone(pair_data, 
     loss, stats = objective.loss(policy, batch)
     grads = torch.autograd.grad(loss, list(policy.parameters()))
 
-    pol = unpacked_logps(policy, batch)
-    with torch.no_grad():
-        ref = unpacked_logps(ref_model, batch)
-    targets, docs = batch[1], batch[3]
-    length = {d: int(((docs == d) & (targets != IGNORE_INDEX)).sum()) for d in pol}
-    pairs = sorted({d // 2 for d in pol})
+    pol, ref, length, pairs = direct_terms(policy, ref_model, batch)
     terms = []
     for p in pairs:
         c, r = 2 * p, 2 * p + 1
