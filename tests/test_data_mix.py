@@ -12,8 +12,15 @@ import pytest
 
 from lmforge.config import MixConfig
 from lmforge.data.dedup import CLUSTERS_SCHEMA
-from lmforge.data.mix import run_mix, shortfall_line
+from lmforge.data.mix import (
+    domain_rng,
+    run_mix,
+    sample_copies,
+    shortfall_line,
+    shortfall_remedies,
+)
 from lmforge.data.records import SCHEMA, part_name, write_table
+from lmforge.errors import InputError
 
 SIZES = {"big": 300, "mid": 120, "zh": 60}
 
@@ -208,3 +215,138 @@ def test_a_shortfall_says_when_other_domains_took_more_than_their_share(tmp_path
                             "it (long took 54.5% for 50.0% asked: a domain of few long documents "
                             "overshoots its share)")
     assert "too long to sample finely" not in shortfall_line("short", short, MixConfig())
+    # The remedy is long's documents, not short's epochs or weight.
+    crowd = {"long": {"asked": 0.5, "got": 0.545}}
+    assert shortfall_remedies("short", short, MixConfig(), crowd) == (
+        "give long more or shorter documents, or accept it with mix.max_shortfall: 0.1")
+
+
+# --------------------------------------------------------------------------- one long document
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_docs(directory: Path, rows: list[tuple[str, str, str]]) -> Path:
+    """One part of (id, text, domain) rows, no clusters."""
+    directory.mkdir()
+    write_table(pa.table({"id": [r[0] for r in rows], "text": [r[1] for r in rows],
+                          "domain": [r[2] for r in rows], "source": ["t"] * len(rows)}),
+                directory / part_name(0))
+    return directory
+
+
+def one_long_document_corpus(directory: Path) -> Path:
+    """``code`` as issue 46's JS sources: one 400k-character build file beside 400 short
+    files of about as much together; ``prose``, 1,000 short documents."""
+    rng = random.Random(5)
+    rows = [("code-build", "b" * 400_000, "code")]
+    rows += [(f"code-{i}", "c" * rng.randint(500, 1500), "code") for i in range(400)]
+    rows += [(f"prose-{i}", "p" * rng.randint(200, 600), "prose") for i in range(1000)]
+    return write_docs(directory, rows)
+
+
+def no_val(**kw) -> MixConfig:
+    return MixConfig(**{**dict(weights={"code": 1, "prose": 1}, val_fraction=0.0,
+                               min_val_docs=0, min_val_chars=0, num_workers=1), **kw})
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_document_holding_half_a_domain_does_not_block_its_share(tmp_path, seed):
+    """code holds 4.6x what is asked, half of it in one document: wherever that document
+    falls in the seeded order, the sample goes on past it and reaches the share (before,
+    it ended there: 'too few and too long to sample finely', for some seeds)."""
+    src = one_long_document_corpus(tmp_path / "in")
+    m = run_mix(no_val(total=350_000, seed=seed), src, tmp_path / "out")
+    for domain in ("code", "prose"):
+        d = m["domains"][domain]
+        assert d["achieved_share"] == pytest.approx(d["target_share"], rel=0.05), domain
+    assert m["shortfalls"] == {}
+    train_ids = read_split(tmp_path / "out", "train").column("id").to_pylist()
+    assert "code-build" not in train_ids  # 400k characters never fit a 175k share
+
+
+def test_skipping_long_documents_is_deterministic():
+    """The same seed gives the same sample, a different seed another; the miss is below
+    the tolerance or the shortest document left out."""
+    units = np.array([400_000.0] + [float(1000 + 7 * i % 500) for i in range(400)])
+    runs = [sample_copies(units, 175_000, domain_rng(s, "code", "sample")) for s in (1, 1, 2)]
+    assert np.array_equal(runs[0], runs[1]) and not np.array_equal(runs[0], runs[2])
+    for copies in runs:
+        assert copies[0] == 0 and abs((units * copies).sum() - 175_000) <= 1750
+
+
+def old_sample_copies(units: np.ndarray, target: float, rng: np.random.Generator) -> np.ndarray:
+    """The sampler before issue 46: the seeded order's prefix nearest the target."""
+    total = units.sum()
+    copies = np.zeros(len(units), dtype=np.int64)
+    if total <= 0 or target <= 0:
+        return copies
+    full = int(target // total)
+    copies += full
+    rest = target - full * total
+    order = rng.permutation(len(units))
+    cum = np.cumsum(units[order])
+    k = int(np.searchsorted(cum, rest))
+    if k < len(order) and (cum[k] - rest) < (rest - (cum[k - 1] if k else 0.0)):
+        k += 1
+    copies[order[:k]] += 1
+    return copies
+
+
+def test_the_demo_corpus_sample_is_unchanged(tmp_path, monkeypatch):
+    """On the shipped demo's documents (raw, before filter and dedup) with params.yaml's
+    mix, every domain gets the very copies the prefix sampler gave: no domain of short
+    documents changes. (The whole demo through ingest to mix wrote the same bytes
+    before and after issue 46, dvc.lock's data/mixed hash.)"""
+    import gzip
+    import json
+
+    from lmforge.config import load_params
+    from lmforge.data import mix
+
+    ids, domains, chars = [], [], []
+    for path in sorted((REPO / "data" / "raw" / "demo").glob("*/*.jsonl.gz")):
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            for line in f:
+                ids.append(json.loads(line)["id"])
+                domains.append(path.parent.name)
+                chars.append(len(json.loads(line)["text"]))
+    units = np.array(chars, dtype=np.float64)
+    sizes = [mix.PartSizes(ids, domains, np.array(chars, dtype=np.int64), units)]
+    cfg = load_params(REPO / "params.yaml").mix
+    new = mix.plan_mix(cfg, tmp_path, sizes)
+    monkeypatch.setattr(mix, "sample_copies", old_sample_copies)
+    old = mix.plan_mix(cfg, tmp_path, sizes)
+    assert len(new.by_domain) == 6 and np.array_equal(new.copies, old.copies)
+    assert new.shortfalls == old.shortfalls
+
+
+def test_a_domain_of_too_long_documents_names_only_remedies_that_work(tmp_path):
+    """Two documents of 2.5x the ask each: the domain holds five times what is asked, but
+    no whole document fits, whatever the epochs or weights: the error says so and names
+    more or shorter documents, or accepting it."""
+    rows = [(f"long-{i}", "l" * 250_000, "long") for i in range(2)]
+    rows += [(f"prose-{i}", "p" * 400, "prose") for i in range(1000)]
+    src = write_docs(tmp_path / "in", rows)
+    with pytest.raises(InputError) as e:
+        run_mix(no_val(weights={"long": 1, "prose": 1}, total=200_000), src, tmp_path / "out")
+    assert str(e.value) == (
+        "mix: long: asked 50.0% of the train split, got 0.0% (100% short; 0 epochs, its "
+        "documents are too few and too long to sample finely: it took 0 of the 100,000 chars "
+        "asked), above mix.max_shortfall 0.2: give long more or shorter documents, or accept "
+        "it with mix.max_shortfall: 1.0")
+
+
+def test_a_domain_holding_too_little_still_fails_with_the_epoch_remedies(tmp_path):
+    """prose holds 20k characters, asked 100k at most 2 epochs: more epochs, a smaller
+    weight or total, or accepting it would each close the gap."""
+    rows = [(f"code-{i}", "c" * 1000, "code") for i in range(300)]
+    rows += [(f"prose-{i}", "p" * 200, "prose") for i in range(100)]
+    src = write_docs(tmp_path / "in", rows)
+    with pytest.raises(InputError, match=r"^mix: prose: asked 50\.0% of the train split, got "
+                                         r"\d+\.\d% \(\d+% short; 2 epochs, it is at "
+                                         r"mix\.max_epochs 2\), above mix\.max_shortfall 0\.2: "
+                                         r"raise mix\.max_epochs, lower mix\.weights\.prose or "
+                                         r"mix\.total, or accept it with mix\.max_shortfall: "
+                                         r"0\.\d+$"):
+        run_mix(no_val(total=200_000, max_epochs=2.0), src, tmp_path / "out")

@@ -123,8 +123,8 @@ def train_targets(train_units: dict[str, float], cfg: MixConfig) -> dict[str, fl
 
 
 def sample_copies(units: np.ndarray, target: float, rng: np.random.Generator) -> np.ndarray:
-    """Copies of each document so their units add up to ``target`` (whole epochs first,
-    then a seeded random subset for the fractional epoch, stopping at the target)."""
+    """Copies of each document so their units add up to ``target``: whole epochs first,
+    then a seeded random subset for the fractional epoch (``fill_gap``)."""
     total = units.sum()
     copies = np.zeros(len(units), dtype=np.int64)
     if total <= 0 or target <= 0:
@@ -133,13 +133,45 @@ def sample_copies(units: np.ndarray, target: float, rng: np.random.Generator) ->
     copies += full
     rest = target - full * total
     order = rng.permutation(len(units))
-    cum = np.cumsum(units[order])
-    # Take documents while the running sum stays nearest the remaining target.
-    k = int(np.searchsorted(cum, rest))
-    if k < len(order) and (cum[k] - rest) < (rest - (cum[k - 1] if k else 0.0)):
-        k += 1
-    copies[order[:k]] += 1
+    # A miss too small to report as a shortfall ends the walk where it always ended, so a
+    # domain of short documents (every demo domain) keeps the very same sample.
+    copies[order[fill_gap(units[order], rest, REPORT_SHORTFALL * target)]] += 1
     return copies
+
+
+def fill_gap(units: np.ndarray, rest: float, tolerance: float) -> np.ndarray:
+    """Positions, in the seeded order ``units`` come in, of the documents that fill ``rest``.
+
+    Documents are taken in order while they fit. At the first that would reach past the
+    gap, the walk stops if taking it or not lands within ``tolerance`` of ``rest``
+    (taking it when that is nearer): a domain of short documents is sampled as it
+    always was. Otherwise that document is too long for the gap: it is skipped and the
+    walk goes on, so one huge document cannot end the sample wherever it falls in the
+    order. If the gap is still open at the end, the shortest skipped document is added
+    when that lands nearer ``rest`` than the gap does: the miss is then below the
+    shortest document left out.
+    """
+    cum = np.cumsum(units)
+    k = int(np.searchsorted(cum, rest))  # units[:k] fit: the vectorised common case
+    taken = list(range(k))
+    got = float(cum[k - 1]) if k else 0.0  # the same float the walk below would reach
+    skipped: list[int] = []
+    for pos, u in enumerate(units[k:].tolist(), start=k):
+        if got + u < rest:
+            taken.append(pos)
+            got += u
+            continue
+        over, under = got + u - rest, rest - got
+        if min(over, under) <= tolerance:
+            if over < under:
+                taken.append(pos)
+            return np.array(taken, dtype=np.int64)
+        skipped.append(pos)
+    if skipped:
+        shortest = min(skipped, key=lambda p: units[p])  # the first in the order on ties
+        if got + units[shortest] - rest < rest - got:
+            taken.append(shortest)
+    return np.array(taken, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -315,11 +347,9 @@ def plan_mix(cfg: MixConfig, in_dir: Path, sizes: list[PartSizes]) -> MixPlan:
             short["why"] = shortfall_reason(d, short, cfg, shortfalls)
     too_short = {d: s for d, s in shortfalls.items() if s["shortfall"] > cfg.max_shortfall}
     if too_short:
-        raise InputError("\nerror: ".join(shortfall_line(d, s, cfg) + (
-            f", above mix.max_shortfall {cfg.max_shortfall}: raise mix.max_epochs, lower "
-            f"mix.weights.{d}{' or mix.total' if cfg.total is not None else ''}, or accept "
-            f"it with mix.max_shortfall: {math.ceil(s['shortfall'] * 20) / 20}")
-            for d, s in sorted(too_short.items())))
+        raise InputError("\nerror: ".join(
+            f"{shortfall_line(d, s, cfg)}, above mix.max_shortfall {cfg.max_shortfall}: "
+            f"{shortfall_remedies(d, s, cfg, shortfalls)}" for d, s in sorted(too_short.items())))
 
     placements = {
         "train": place(copies, cfg.part_docs, np.random.default_rng([cfg.seed, 0])),
@@ -374,23 +404,56 @@ def shortfall_line(domain: str, s: dict[str, Any], cfg: MixConfig) -> str:
             f"({s['shortfall']:.0%} short; {s['epochs']:g} epochs, {why})")
 
 
+def shortfall_cause(s: dict[str, float], cfg: MixConfig) -> str:
+    """``epochs`` (at its epoch cap), ``coarse`` (it took less than it was to take: its
+    documents left out are each longer than the gap) or ``grew`` (it took what it was
+    to take, but other domains took more than theirs)."""
+    if s["epochs"] >= cfg.max_epochs - 1e-6:
+        return "epochs"
+    target, taken = s.get("target"), s.get("taken")
+    return "coarse" if target is None or taken < target * (1 - REPORT_SHORTFALL) else "grew"
+
+
+def _overshooting(domain: str, others: dict[str, dict[str, float]]) -> list[tuple[str, dict]]:
+    """The other domains that took more than their shares, the largest overshoot first."""
+    return sorted(((d, o) for d, o in others.items() if d != domain
+                   and o["got"] > o["asked"] * (1 + REPORT_SHORTFALL)),
+                  key=lambda kv: kv[1]["asked"] - kv[1]["got"])
+
+
 def shortfall_reason(domain: str, s: dict[str, float], cfg: MixConfig,
                      others: dict[str, dict[str, float]]) -> str:
     """Why a domain fell short: its epoch cap, its own coarse documents, or the others
     taking more than their shares (then the split grew around it)."""
-    unit = cfg.unit
-    if s["epochs"] >= cfg.max_epochs - 1e-6:
+    unit, cause = cfg.unit, shortfall_cause(s, cfg)
+    if cause == "epochs":
         return f"it is at mix.max_epochs {cfg.max_epochs:g}"
     target, taken = s.get("target"), s.get("taken")
-    if target is None or taken < target * (1 - REPORT_SHORTFALL):
+    if cause == "coarse":
         got = f": it took {taken:,} of the {target:,} {unit} asked" if target else ""
         return f"its documents are too few and too long to sample finely{got}"
-    over = sorted(((d, o) for d, o in others.items() if d != domain
-                   and o["got"] > o["asked"] * (1 + REPORT_SHORTFALL)),
-                  key=lambda kv: kv[1]["asked"] - kv[1]["got"])
-    grew = ", ".join(f"{d} took {o['got']:.1%} for {o['asked']:.1%} asked" for d, o in over)
+    grew = ", ".join(f"{d} took {o['got']:.1%} for {o['asked']:.1%} asked"
+                     for d, o in _overshooting(domain, others))
     return (f"it took all {taken:,} {unit} asked, but the train split grew around it"
             + (f" ({grew}: a domain of few long documents overshoots its share)" if grew else ""))
+
+
+def shortfall_remedies(domain: str, s: dict[str, float], cfg: MixConfig,
+                       others: dict[str, dict[str, float]]) -> str:
+    """The changes that would close the shortfall, for its cause only: more epochs or a
+    smaller ask lift an epoch cap, but no weight or cap helps a domain whose documents
+    are too long to sample finely, nor one that others crowd out with theirs."""
+    cause = shortfall_cause(s, cfg)
+    if cause == "epochs":
+        fixes = ["raise mix.max_epochs", f"lower mix.weights.{domain}"
+                 + (" or mix.total" if cfg.total is not None else "")]
+    elif cause == "coarse":
+        fixes = [f"give {domain} more or shorter documents"]
+    else:
+        over = [d for d, _ in _overshooting(domain, others)]
+        fixes = [f"give {', '.join(over)} more or shorter documents"] if over else []
+    fixes.append(f"accept it with mix.max_shortfall: {math.ceil(s['shortfall'] * 20) / 20}")
+    return ", or ".join(fixes) if len(fixes) < 3 else f"{', '.join(fixes[:-1])}, or {fixes[-1]}"
 
 
 def _metrics(by_domain: dict[str, np.ndarray], is_val: np.ndarray, copies: np.ndarray,
