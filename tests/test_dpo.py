@@ -269,12 +269,19 @@ def test_a_dpo_run_learns_the_preference_logs_it_and_resumes_exactly(pair_data, 
     (run_dir / "step-000012.pt").unlink()
     resumed = run_dpo(directory, tmp_path / "ck", logs)
     assert any("resuming from" in line and "step-000008" in line for line in logs)
-    for name, tensor in result.model.state_dict().items():
+    assert_resumed_the_same(resumed, result)
+
+
+def assert_resumed_the_same(resumed, straight) -> None:
+    """A resumed run ended as the unbroken one: every weight, every logged figure but
+    the wall-clock speed."""
+    for name, tensor in straight.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], tensor), name
-    def figures(history: list[dict]) -> list[dict]:  # all but the wall-clock speed
+
+    def figures(history: list[dict]) -> list[dict]:
         return [{k: v for k, v in row.items() if k != "tokens_per_sec"} for row in history]
 
-    assert figures(resumed.history) == figures(result.history)
+    assert figures(resumed.history) == figures(straight.history)
 
 
 def test_beta_must_be_positive_and_init_from_given():

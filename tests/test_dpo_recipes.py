@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from test_dpo import (
     CPU,
     SEQ,
+    assert_resumed_the_same,
     direct_terms,
     dpo_params,
     good_pairs,
@@ -461,13 +462,7 @@ def test_a_run_with_replay_logs_its_loss_and_resumes_bit_identical(pair_data, pr
     (run_dir / "step-000012.pt").unlink()
     resumed = run_with_replay(pair_data, pretraining, tmp_path / "ck", logs)
     assert any("resuming from" in line and "step-000008" in line for line in logs)
-    for name, tensor in result.model.state_dict().items():
-        assert torch.equal(resumed.model.state_dict()[name], tensor), name
-
-    def figures(history: list[dict]) -> list[dict]:  # all but the wall-clock speed
-        return [{k: v for k, v in row.items() if k != "tokens_per_sec"} for row in history]
-
-    assert figures(resumed.history) == figures(result.history)
+    assert_resumed_the_same(resumed, result)
     # Replay shards and their share are part of the run: a plain run is another one.
     plain = dpo_params(seed=7)
     assert ckpt.fingerprint_of(ckpt.run_identity(
