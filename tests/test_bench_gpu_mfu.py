@@ -167,7 +167,9 @@ def test_all_puts_every_file_under_out_and_a_checkout_must_hold_train_py(
 
 
 def test_the_profile_table_ranks_cpu_ops_by_self_time():
-    x = torch.randn(256, 256)
+    # 1,024-square: the matmul (2 GFLOP) outweighs relu and sum by ~100x even on a busy
+    # 2-core runner, where a 256-square one lost to relu's first allocation once in CI.
+    x = torch.randn(1024, 1024)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             (x @ x).relu().sum()
