@@ -20,6 +20,8 @@ no recipe reruns the stages before ``dpo``; a recipe already run on this commit 
     python bench/dpo_recipe_sweep.py --dry-run          # the dvc commands it would queue
     python bench/dpo_recipe_sweep.py --recipes dpo-sig-b05-lr5e4-r0,dpo-ipo-b50-lr5e4-r0
 
+``--out`` keeps the rows already in that file for recipes this run did not collect (a
+batch run earlier from the same baseline) and recomputes the Pareto column over all.
 ``markdown(json)`` renders the table for docs/post-training.md (scripts/demo_docs.py,
 block ``dpo_recipes``, from the committed bench/results/dpo_recipes.json).
 """
@@ -50,7 +52,10 @@ LORA = "{rank:8,alpha:16,dropout:0.0,targets:[attn,mlp]}"
 LOSS_SHORT = {"sigmoid": "sig", "ipo": "ipo", "dpop": "dpop", "simpo": "simpo"}
 # The keys a recipe sets (params.yaml's dpo section spells them so).
 SWEPT = ("loss", "beta", "lr", "replay", "replay_weight", "nll_weight", "lora",
-         "dpop_lambda", "simpo_gamma")
+         "dpop_lambda", "simpo_gamma", "micro_batch_size", "max_steps")
+# The demo's DPO batch and length when the sweep began: a recipe names its own only
+# where it differs, so the first recipes keep their names.
+ROWS, STEPS = 16, 70
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,8 @@ class Recipe:
     lora: bool = False
     dpop_lambda: float = 50.0
     simpo_gamma: float = 0.5
+    micro_batch_size: int = ROWS  # rows per step: replay rows take ``replay`` of them
+    max_steps: int = STEPS
 
     @property
     def name(self) -> str:
@@ -83,6 +90,10 @@ class Recipe:
                      if self.replay else "r0")
         if self.nll_weight:
             parts.append(f"nll{_hundredths(self.nll_weight)}")
+        if self.micro_batch_size != ROWS:
+            parts.append(f"mb{self.micro_batch_size}")
+        if self.max_steps != STEPS:
+            parts.append(f"s{self.max_steps}")
         return "-".join(parts)
 
     def sets(self) -> list[str]:
@@ -91,6 +102,8 @@ class Recipe:
         out += [f"dpo.{k}={float(getattr(self, k))!r}" for k in
                 ("beta", "lr", "replay", "replay_weight", "nll_weight")]
         out.append(f"dpo.lora={LORA if self.lora else 'null'}")
+        out += [f"dpo.micro_batch_size={self.micro_batch_size}",
+                f"dpo.max_steps={self.max_steps}"]
         if self.loss == "dpop":
             out.append(f"dpo.dpop_lambda={float(self.dpop_lambda)!r}")
         if self.loss == "simpo":
@@ -133,6 +146,12 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe("dpop", **FAST, replay=0.25, dpop_lambda=50.0),
     Recipe("simpo", beta=2.0, lr=5e-4, simpo_gamma=0.5),
     Recipe("simpo", beta=2.0, lr=5e-4, simpo_gamma=0.5, replay=0.25),
+    # Replay rows displace pairs at a fixed batch (0.538 at replay 0.25 against 0.587):
+    # give the pairs back with more rows per step or more steps, or replay less.
+    Recipe(**FAST, replay=0.2, micro_batch_size=20),
+    Recipe(**FAST, replay=0.25, max_steps=93),
+    Recipe(**FAST, replay=0.1),
+    Recipe(beta=0.05, lr=7e-4, replay=0.2, micro_batch_size=20),
 )
 
 
@@ -294,6 +313,26 @@ def collect(exps: dict[str, dict[str, Any]], recipes: list[Recipe] | tuple[Recip
             "recipes": rows, "missing": missing}
 
 
+def merge(earlier: dict[str, Any], results: dict[str, Any],
+          recipes: tuple[Recipe, ...] = RECIPES) -> dict[str, Any]:
+    """``results`` with the rows of an ``earlier`` results file that it lacks (recipes
+    run in another batch, from the same baseline), in the grid's order, each with the
+    grid's command and every swept key (a key the sweep added since: the value it ran
+    with), the Pareto front recomputed over all of them."""
+    known = {r.name: r for r in recipes}
+    rows = {r["name"]: r for r in earlier.get("recipes", []) if r["name"] in known}
+    rows.update({r["name"]: r for r in results["recipes"]})
+    for name, row in rows.items():
+        row["command"] = command(known[name])
+        row["settings"] = {k: row["settings"].get(k, getattr(known[name], k) if k != "lora"
+                                                  else known[name].settings()["lora"])
+                           for k in SWEPT}
+    ordered = [rows[r.name] for r in recipes if r.name in rows]
+    mark_pareto(ordered)
+    return {**results, "recipes": ordered,
+            "missing": [r.name for r in recipes if r.name not in rows]}
+
+
 def _num(value: float | None, spec: str, stderr: float | None = None) -> str:
     """``value`` formatted by ``spec`` (``n/a`` when unknown), ``± stderr`` if known."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -303,12 +342,15 @@ def _num(value: float | None, spec: str, stderr: float | None = None) -> str:
 
 
 def _setting_cells(s: dict[str, Any]) -> list[str]:
-    """loss (with its own knob), beta, lr, replay share x weight, NLL weight, LoRA."""
+    """loss (with its own knob), beta, lr, replay share x weight, NLL weight, LoRA,
+    rows per step x steps."""
     loss = {"dpop": f"dpop λ {s['dpop_lambda']:g}",
             "simpo": f"simpo γ {s['simpo_gamma']:g}"}.get(s["loss"], s["loss"])
     replay = f"{s['replay']:g} ×{s['replay_weight']:g}" if s["replay"] else "0"
     lora = f"r{s['lora']['rank']}" if s["lora"] else "no"
-    return [loss, f"{s['beta']:g}", f"{s['lr']:g}", replay, f"{s['nll_weight']:g}", lora]
+    batch = f"{s.get('micro_batch_size', ROWS)} × {s.get('max_steps', STEPS)}"
+    return [loss, f"{s['beta']:g}", f"{s['lr']:g}", replay, f"{s['nll_weight']:g}", lora,
+            batch]
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -318,11 +360,11 @@ def markdown(results: dict[str, Any]) -> str:
     if not rows:
         return "no DPO recipe experiments found (run bench/dpo_recipe_sweep.py)"
     domains = sorted({d for r in rows for d in r["forgetting_vs_sft"]["domains"]})
-    head = ["recipe", "loss", "β", "lr", "replay ×weight", "NLL", "LoRA",
+    head = ["recipe", "loss", "β", "lr", "replay ×weight", "NLL", "LoRA", "rows × steps",
             "pref acc", "reward acc", "Δ bpb vs SFT", *(f"Δ {d}" for d in domains),
             "lm-eval", "KL/token", "dpo s", "Pareto"]
     lines = ["| " + " | ".join(head) + " |",
-             "|---|" + "---|" * 6 + "---:|" * (len(head) - 8) + "---|"]
+             "|---|" + "---|" * 7 + "---:|" * (len(head) - 9) + "---|"]
     for r in rows:
         f = r["forgetting_vs_sft"]
         mix = f["mix_weighted"]
@@ -366,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     if results["missing"]:
         print(f"\nnot run or not finished: {', '.join(results['missing'])}", file=sys.stderr)
     if args.out:
+        if args.out.is_file():  # other batches' recipes stay in the file
+            results = merge(json.loads(args.out.read_text(encoding="utf-8")), results)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n",
                             encoding="utf-8")

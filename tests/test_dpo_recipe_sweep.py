@@ -37,10 +37,12 @@ def test_dry_run_prints_the_exact_commands_of_the_recipes_named(sweep, capsys):
         "dvc exp run --queue -n dpo-sig-lora-b05-lr1e3-r25w1 -S dpo.loss=sigmoid "
         "-S dpo.beta=0.05 -S dpo.lr=0.001 -S dpo.replay=0.25 -S dpo.replay_weight=1.0 "
         "-S dpo.nll_weight=0.0 "
-        "-S 'dpo.lora={rank:8,alpha:16,dropout:0.0,targets:[attn,mlp]}'",
+        "-S 'dpo.lora={rank:8,alpha:16,dropout:0.0,targets:[attn,mlp]}' "
+        "-S dpo.micro_batch_size=16 -S dpo.max_steps=70",
         "dvc exp run --queue -n dpo-simpo-g50-b200-lr5e4-r0 -S dpo.loss=simpo "
         "-S dpo.beta=2.0 -S dpo.lr=0.0005 -S dpo.replay=0.0 -S dpo.replay_weight=1.0 "
-        "-S dpo.nll_weight=0.0 -S dpo.lora=null -S dpo.simpo_gamma=0.5"]
+        "-S dpo.nll_weight=0.0 -S dpo.lora=null -S dpo.micro_batch_size=16 "
+        "-S dpo.max_steps=70 -S dpo.simpo_gamma=0.5"]
     with pytest.raises(SystemExit, match="unknown recipe.*dpo-nope"):
         sweep.main(["--dry-run", "--recipes", "dpo-nope"])
 
@@ -237,3 +239,41 @@ def test_the_docs_block_is_the_committed_json_or_a_note(sweep, results, tmp_path
     table = docs.render(page, {}, tmp_path)
     assert table == ("<!-- gen:dpo_recipes -->\n" + sweep.markdown(results)
                      + "\n<!-- /gen:dpo_recipes -->\n")
+
+
+def test_a_recipe_names_its_batch_and_length_only_where_they_differ(sweep):
+    """The first recipes keep their names; a recipe with more rows or steps says so,
+    and sets both keys always (so it means the same run whatever params.yaml holds)."""
+    plain = sweep.Recipe(beta=0.05, lr=5e-4, replay=0.25)
+    wider = sweep.Recipe(beta=0.05, lr=5e-4, replay=0.2, micro_batch_size=20)
+    longer = sweep.Recipe(beta=0.05, lr=5e-4, replay=0.25, max_steps=93)
+    assert plain.name == "dpo-sig-b05-lr5e4-r25w1"
+    assert wider.name == "dpo-sig-b05-lr5e4-r20w1-mb20"
+    assert longer.name == "dpo-sig-b05-lr5e4-r25w1-s93"
+    assert {"dpo.micro_batch_size=16", "dpo.max_steps=70"} <= set(plain.sets())
+    assert {"dpo.micro_batch_size=20", "dpo.max_steps=70"} <= set(wider.sets())
+    assert wider.name in {r.name for r in sweep.RECIPES}
+
+
+def test_out_keeps_an_earlier_batchs_rows_and_recomputes_the_front(sweep, results):
+    """Two batches of one sweep: the second's --out keeps the first's rows (with the
+    grid's command and the keys added since filled in), in grid order; the Pareto column
+    is over both."""
+    first = json.loads(json.dumps(results))
+    r = sweep.RECIPES
+    old = first["recipes"][0]
+    old["settings"].pop("micro_batch_size")
+    old["settings"].pop("max_steps")
+    old["command"] = "an older command"
+    dominating = json.loads(json.dumps(first["recipes"][1]))
+    dominating.update(name=r[-1].name, pref_accuracy=0.99)
+    dominating["forgetting_vs_sft"]["mix_weighted"]["change"] = -1.0
+    second = {**results, "recipes": [dominating], "missing": []}
+    merged = sweep.merge(first, second)
+    names = [row["name"] for row in merged["recipes"]]
+    assert names == [row["name"] for row in first["recipes"]] + [r[-1].name]
+    assert merged["recipes"][0]["command"] == sweep.command(r[0])
+    assert merged["recipes"][0]["settings"]["micro_batch_size"] == 16
+    assert merged["recipes"][0]["settings"]["max_steps"] == 70
+    assert [row["name"] for row in merged["recipes"] if row["pareto"]] == [r[-1].name]
+    assert r[-1].name not in merged["missing"] and r[2].name in merged["missing"]
