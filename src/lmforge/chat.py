@@ -79,7 +79,7 @@ class ChatSession:
         Ctrl-C the history is left exactly as it was before the message, every old turn
         included, however many the prompt had to leave out.
         """
-        tokens = self._tokens(self.prompt_ids(text))
+        tokens = self.reply_tokens(self.prompt_ids(text))
         try:
             ids = stream_reply(tokens, self.tokenizer, self.stop_ids, out)
         finally:
@@ -124,9 +124,9 @@ class ChatSession:
         self._warn_once(seq_len)
         return ids
 
-    def _tokens(self, prompt: list[int]) -> Generator[int, None, None]:
-        """The reply's token ids from ``generate`` (KV cache); ``stream_reply`` closes it
-        at the first stop id."""
+    def reply_tokens(self, prompt: list[int]) -> Generator[int, None, None]:
+        """The reply's token ids from ``generate`` (KV cache) with this session's sampling
+        settings; the caller closes it at the first stop id (``reply``, ``lmforge serve``)."""
         return generate(self.model, prompt, self.max_new_tokens, temperature=self.temperature,
                         top_k=self.top_k, top_p=self.top_p, generator=self.generator)
 
@@ -233,23 +233,32 @@ def read_lines(stdin: TextIO, out: TextIO, prompt: str = "") -> Iterator[str]:
         yield from stdin
 
 
-def load_session(args: argparse.Namespace, err: TextIO) -> ChatSession:
-    """The model, its tokenizer and the settings of ``args`` as a ``ChatSession``."""
+def load_chat_model(model_dir: Path, tokenizer: str | Path | None = None,
+                    device: str | None = None) -> tuple[Llama, Tokenizer]:
+    """A saved model (folder or checkpoint file) and its tokenizer: the one beside the
+    model unless ``tokenizer`` names another, checked against the sha256 it was trained
+    with (``InputError`` if it is not that one). ``device``: cuda when there is one."""
     from lmforge.model import load_model
 
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, config = load_model(model_dir, device=device)
+    # A model dir carries its tokenizer; a checkpoint file uses the pipeline's.
+    default_tok = model_dir if model_dir.is_dir() else Path("models/tokenizer")
+    loaded = Tokenizer.load(tokenizer or default_tok)
+    want = config.get("tokenizer_sha256")
+    if want and loaded.sha256 != want:
+        raise InputError(f"{tokenizer or default_tok}: not the tokenizer {model_dir} "
+                         f"was trained with (sha256 {want[:12]})")
+    return model, loaded
+
+
+def load_session(args: argparse.Namespace, err: TextIO) -> ChatSession:
+    """The model, its tokenizer and the settings of ``args`` as a ``ChatSession``."""
     model_dir = Path(args.model)
     if not model_dir.exists():
         raise InputError(f"{model_dir}: no such model (the sft stage writes {DEFAULT_MODEL}; "
                          "or pass --model)")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, config = load_model(model_dir, device=device)
-    # A model dir carries its tokenizer; a checkpoint file uses the pipeline's.
-    default_tok = model_dir if model_dir.is_dir() else Path("models/tokenizer")
-    tokenizer = Tokenizer.load(args.tokenizer or default_tok)
-    want = config.get("tokenizer_sha256")
-    if want and tokenizer.sha256 != want:
-        raise InputError(f"{args.tokenizer or default_tok}: not the tokenizer {model_dir} "
-                         f"was trained with (sha256 {want[:12]})")
+    model, tokenizer = load_chat_model(model_dir, args.tokenizer, args.device)
     return ChatSession(model, tokenizer, system=args.system,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, err=err)
