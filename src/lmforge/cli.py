@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "eval": "lmforge.evaluate.harness_cli:add_eval_parser",
     "plan": "lmforge.plan.cli:add_plan_parser",
     "mix": "lmforge.mixture.cli:add_mix_parser",
+    "serve": "lmforge.serve.cli:add_serve_parser",
 }
 
 
