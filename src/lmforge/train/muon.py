@@ -14,6 +14,11 @@ elsewhere a one-off timed probe at the model's matrix shape. The choice is a gro
 and a resumed run continues in the dtype it started with (bit-identical resume), even on
 a machine that would choose otherwise; a checkpoint from before the option carries none
 and resumes in bfloat16, the dtype it was written with.
+
+In float32 a wide-enough matrix (cols >= 1.6 rows, after turning it wide) is orthogonalised
+by the Gram form of the same iteration (:func:`gram_newton_schulz`): it iterates on the
+small square X X^T instead of the wide X, fewer multiply-adds for the same polynomial.
+bfloat16 keeps torch's form everywhere: the Gram form is unstable there.
 """
 
 from __future__ import annotations
@@ -34,6 +39,11 @@ PROBE_MAX_SIDE = 1024  # the probe's matrix is the model's, capped to this per s
 PROBE_ROUNDS = 7  # each dtype's fastest round counts
 BF16_MARGIN = 0.8  # bf16 only when its probe takes at most this share of float32's
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# Gram Newton-Schulz (float32 only): rebuild X and its Gram matrix after this many
+# iterations (accuracy, see gram_newton_schulz), and use the Gram form only on matrices
+# at least this much wider than tall (it breaks even at 1.5 in multiply-adds).
+GRAM_RESTART_EVERY = 3
+GRAM_MIN_ASPECT = 1.6
 
 
 def orthogonalize(update: Tensor, dtype: torch.dtype, coefficients: tuple[float, ...]
@@ -43,19 +53,93 @@ def orthogonalize(update: Tensor, dtype: torch.dtype, coefficients: tuple[float,
 
     Works on the wide orientation (rows <= cols), so the Gram matrix is the small one,
     and scales by the Frobenius norm first so the spectral norm is at most 1. In
-    bfloat16 it is operation for operation torch.optim.Muon's.
+    bfloat16 it is operation for operation torch.optim.Muon's. In float32, a matrix
+    wide enough for the Gram form to take fewer multiply-adds (:func:`use_gram_form`)
+    takes it: the same polynomial of the same matrix, rounded differently.
     """
-    a, b, c = coefficients
     x = update.to(dtype)
     tall = update.size(0) > update.size(1)
     if tall:
         x = x.T
     x = x / x.norm().clamp(min=eps)
+    if use_gram_form(x.size(0), x.size(1), dtype, steps):
+        x = gram_newton_schulz(x, coefficients, steps)
+    else:
+        x = newton_schulz(x, coefficients, steps)
+    return x.T if tall else x
+
+
+def newton_schulz(x: Tensor, coefficients: tuple[float, ...], steps: int) -> Tensor:
+    """``steps`` quintic iterations on the wide, normalised ``x`` as torch.optim.Muon
+    takes them: X <- a X + (b A + c A^2) X with A = X X^T, three matmuls each."""
+    a, b, c = coefficients
     for _ in range(steps):
         gram = x @ x.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A^2
         x = torch.addmm(x, poly, x, beta=a)  # a X + (b A + c A^2) X
-    return x.T if tall else x
+    return x
+
+
+def gram_newton_schulz(x: Tensor, coefficients: tuple[float, ...], steps: int,
+                       restart_every: int = GRAM_RESTART_EVERY) -> Tensor:
+    """The same iterations as :func:`newton_schulz` on the wide, normalised ``x``
+    (m x n, m <= n), computed on its m x m Gram matrix ("Gram Newton-Schulz": Zhang,
+    Amsel, Chen and Dao, 2026, who rebuild after two iterations in half precision).
+
+    Each iteration is X_{k+1} = p(G_k) X_k with G_k = X_k X_k^T and p(G) = a I + b G +
+    c G^2, so X_k = Q_k X_0 with Q_k = p(G_{k-1}) ... p(G_0); and as p(G_k) commutes with
+    G_k, G_{k+1} = p(G_k) G_k p(G_k). Iterating on G and Q (m x m) and multiplying by the
+    m x n X once at the end replaces the two m x m x n matmuls of each iteration by three
+    m x m x m ones (:func:`gram_is_cheaper`). Rounding errors in G grow by ~a^2 (~12x) per
+    iteration on its small eigenvalues, which X X^T recomputed each time does not
+    suffer: every ``restart_every`` iterations X is rebuilt (X <- Q X) and G recomputed
+    from it. In float32 with 5 iterations, one rebuild after the third (measured with
+    Keller Jordan's coefficients: a rebuild after the second errs 4x more) keeps the result
+    within a few times the standard iteration's own float32 error, even for singular
+    values down to 1e-6 (tests/test_muon_gram.py); bf16 has no such margin.
+    """
+    a, b, c = coefficients
+    gram, q = x @ x.T, None
+    for i in range(steps):
+        if q is not None and i % restart_every == 0:  # a rebuild: X <- Q X, G <- X X^T
+            x = q @ x
+            gram, q = x @ x.T, None
+        z = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2 = p(G) - a I
+        if q is None:
+            q = z.clone()
+            q.diagonal().add_(a)  # Q = p(G)
+        else:
+            q = torch.addmm(q, q, z, beta=a)  # Q p(G): polynomials of one G commute
+        if i + 1 < steps and (i + 1) % restart_every != 0:  # G is needed next
+            gp = torch.addmm(gram, gram, z, beta=a)  # G p(G)
+            gram = torch.addmm(gp, z, gp, beta=a)  # p(G) G p(G)
+    return q @ x
+
+
+def gram_is_cheaper(rows: int, cols: int, steps: int,
+                    restart_every: int = GRAM_RESTART_EVERY) -> bool:
+    """Whether :func:`gram_newton_schulz` takes fewer multiply-adds than
+    :func:`newton_schulz` on a wide ``rows`` x ``cols`` matrix.
+
+    Standard: per iteration X X^T and p(A) X (2 m^2 n) and A^2 (m^3). Gram, per segment
+    of L iterations between rebuilds: G = X X^T and Q X (2 m^2 n), L products G^2,
+    L - 1 updates of Q and 2 (L - 1) of G ((4 L - 3) m^3). With k segments the Gram form
+    saves 2 (steps - k) m^2 n and costs 3 (steps - k) m^3 more: cheaper exactly when
+    n > 1.5 m, whatever the steps and rebuilds (and never with one iteration a
+    segment). :data:`GRAM_MIN_ASPECT` asks a little more: timed one by one under the AVX2
+    cap, the square matmuls run a little slower per multiply-add (break-even ~1.55).
+    """
+    segments = -(-steps // restart_every)
+    standard = steps * (2 * rows * rows * cols + rows ** 3)
+    gram = 2 * segments * rows * rows * cols + (4 * steps - 3 * segments) * rows ** 3
+    return gram < standard and cols >= GRAM_MIN_ASPECT * rows
+
+
+def use_gram_form(rows: int, cols: int, dtype: torch.dtype, steps: int) -> bool:
+    """The Gram form for a wide ``rows`` x ``cols`` matrix: float32 only (bf16 is
+    torch.optim.Muon's to the bit, and the Gram form is unstable there), and only
+    where it is cheaper."""
+    return dtype == torch.float32 and gram_is_cheaper(rows, cols, steps)
 
 
 def adjusted_lr(lr: float, adjust: str | None, shape: torch.Size) -> float:
