@@ -78,11 +78,14 @@ KIND_SETTINGS: dict[str, dict[str, Any]] = {
     "prose": dict(_LOOSE_NGRAMS),
     # A quatrain is 20-30 characters; a refrain or 之/不 may take a fifth of a poem.
     "verse": {"min_chars": 20, "gopher_min_words": 10, "max_char_repeat_ratio": 0.5},
-    # Short entries (a man page's NAME section, a glossary term); markup (wiki citation
-    # templates, reST roles, tables) puts '|', '=' and numbers among the words, so fewer
-    # of them hold letters (measured: wikitext sections at 0.73-0.80, bench/RESULTS.md).
-    "reference": {"gopher_min_words": 30, "gopher_min_alpha_words_ratio": 0.6,
-                  **_LOOSE_NGRAMS},
+    # Short entries (a man page's NAME section, a glossary term, an API entry: a heading,
+    # a signature and one sentence, ~100 characters and 10 words, whose one function word
+    # may be its only stop word: "Creates and returns a new Gzip object."); markup (wiki
+    # citation templates, reST roles, tables) puts '|', '=' and numbers among the words,
+    # so fewer of them hold letters (measured: wikitext sections at 0.73-0.80, and API
+    # docs, bench/RESULTS.md).
+    "reference": {"min_chars": 100, "gopher_min_words": 10, "gopher_min_stop_words": 1,
+                  "gopher_min_alpha_words_ratio": 0.6, **_LOOSE_NGRAMS},
     # A problem statement may be one sentence.
     "math": {"gopher_min_words": 20},
     "code": {},

@@ -5,6 +5,11 @@ a word, so word counts, symbol ratios and n-gram repetition mean the same thing 
 Chinese as in English. Average word length and stop words depend on the script:
 the length rule does not apply to CJK text, and the stop-word rule counts the
 function characters of Chinese (modern and classical) as well as the English ones.
+
+Every rule here but the two word counts measures the document's prose (``TextView.prose``):
+Markdown markup lines (HTML comments, code fences, tables, link-reference definitions) are
+left out, as the web text Gopher's thresholds were fitted on had none; in documentation
+they repeat by design and hold URLs. A text without markup is measured as it is.
 """
 
 from __future__ import annotations
@@ -12,12 +17,12 @@ from __future__ import annotations
 import itertools
 import re
 import string
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-from lmforge.data.rulebook import rule
+from lmforge.data.rulebook import Measure, rule
 from lmforge.data.textview import TextView
 
 QUALITY = "gopher_quality"
@@ -33,9 +38,28 @@ _BULLETS = ("•", "-", "*", "·", "‣", "◦", "▪")
 _P = np.uint64(0x9E3779B97F4A7C15)  # odd multiplier of the n-gram rolling hash
 
 
+def gopher_rule(name: str, threshold: str, *, group: str,
+                reject_below: bool = False) -> Callable[[Measure], Measure]:
+    """``rulebook.rule`` for a Gopher statistic: the registered rule measures the prose
+    view of the document; the function itself stays as written (it measures the view it
+    is given)."""
+
+    def register(measure: Measure) -> Measure:
+        def on_prose(view: TextView, settings: Mapping[str, Any]) -> float | None:
+            return measure(view.prose, settings)
+
+        on_prose.__doc__ = measure.__doc__
+        rule(name, threshold, reject_below=reject_below, group=group)(on_prose)
+        return measure
+
+    return register
+
+
 # --------------------------------------------------------------------------- quality
 
 
+# How much text there is counts the whole document: an API entry's signature, code example
+# or table is part of what it says. What the words are like (below) is measured on prose.
 @rule("gopher_min_words", "gopher_min_words", reject_below=True, group=QUALITY)
 def word_count(view: TextView, settings: Mapping[str, Any]) -> float:
     """Words that are not pure punctuation (a CJK character counts as one)."""
@@ -57,41 +81,42 @@ def _mean_word_length(view: TextView) -> float | None:
     return (view.nonspace_chars - view.cjk_chars) / spaced
 
 
-@rule("gopher_min_avg_word_length", "gopher_min_avg_word_length", reject_below=True,
-      group=QUALITY)
+@gopher_rule("gopher_min_avg_word_length", "gopher_min_avg_word_length", reject_below=True,
+             group=QUALITY)
 def mean_word_length(view: TextView, settings: Mapping[str, Any]) -> float | None:
     """Mean characters per word (not applicable to CJK text)."""
     return _mean_word_length(view)
 
 
-@rule("gopher_max_avg_word_length", "gopher_max_avg_word_length", group=QUALITY)
+@gopher_rule("gopher_max_avg_word_length", "gopher_max_avg_word_length", group=QUALITY)
 def mean_word_length_max(view: TextView, settings: Mapping[str, Any]) -> float | None:
     """The same mean, against the maximum."""
     return _mean_word_length(view)
 
 
-@rule("gopher_symbol_ratio", "gopher_max_symbol_word_ratio", group=QUALITY)
+@gopher_rule("gopher_symbol_ratio", "gopher_max_symbol_word_ratio", group=QUALITY)
 def symbol_word_ratio(view: TextView, settings: Mapping[str, Any]) -> float:
     """'#' or ellipses (``...``, a run of ``…``) per word, whichever is higher."""
     n = max(len(view.words), 1)
     return max(view.text.count("#"), len(_ELLIPSIS.findall(view.text))) / n
 
 
-@rule("gopher_bullet_lines", "gopher_max_bullet_lines_ratio", group=QUALITY)
+@gopher_rule("gopher_bullet_lines", "gopher_max_bullet_lines_ratio", group=QUALITY)
 def bullet_line_ratio(view: TextView, settings: Mapping[str, Any]) -> float:
     """Share of lines that start with a bullet."""
     lines = view.lines
     return sum(ln.startswith(_BULLETS) for ln in lines) / len(lines) if lines else 0.0
 
 
-@rule("gopher_ellipsis_lines", "gopher_max_ellipsis_lines_ratio", group=QUALITY)
+@gopher_rule("gopher_ellipsis_lines", "gopher_max_ellipsis_lines_ratio", group=QUALITY)
 def ellipsis_line_ratio(view: TextView, settings: Mapping[str, Any]) -> float:
     """Share of lines that end with an ellipsis (truncated teasers)."""
     lines = view.lines
     return sum(ln.endswith(("...", "…")) for ln in lines) / len(lines) if lines else 0.0
 
 
-@rule("gopher_alpha_words", "gopher_min_alpha_words_ratio", reject_below=True, group=QUALITY)
+@gopher_rule("gopher_alpha_words", "gopher_min_alpha_words_ratio", reject_below=True,
+             group=QUALITY)
 def alpha_word_ratio(view: TextView, settings: Mapping[str, Any]) -> float:
     """Share of tokens with at least one letter (CJK characters are letters)."""
     words = view.words
@@ -100,7 +125,7 @@ def alpha_word_ratio(view: TextView, settings: Mapping[str, Any]) -> float:
     return 1.0 - len(view.no_letter_tokens) / len(words)
 
 
-@rule("gopher_stop_words", "gopher_min_stop_words", reject_below=True, group=QUALITY)
+@gopher_rule("gopher_stop_words", "gopher_min_stop_words", reject_below=True, group=QUALITY)
 def stop_word_count(view: TextView, settings: Mapping[str, Any]) -> float:
     """Stop words present, counted up to the minimum (English, or Chinese function words)."""
     need = settings["gopher_min_stop_words"]
@@ -124,27 +149,27 @@ def duplicate_stats(items: list[str]) -> tuple[int, int]:
     return dups, dup_chars
 
 
-@rule("gopher_dup_lines", "gopher_max_dup_line_ratio", group=REPETITION)
+@gopher_rule("gopher_dup_lines", "gopher_max_dup_line_ratio", group=REPETITION)
 def dup_line_ratio(view: TextView, settings: Mapping[str, Any]) -> float:
     """Share of lines that are a repeat of an earlier line."""
     lines = view.lines
     return duplicate_stats(lines)[0] / len(lines) if lines else 0.0
 
 
-@rule("gopher_dup_paragraphs", "gopher_max_dup_para_ratio", group=REPETITION)
+@gopher_rule("gopher_dup_paragraphs", "gopher_max_dup_para_ratio", group=REPETITION)
 def dup_paragraph_ratio(view: TextView, settings: Mapping[str, Any]) -> float:
     """Share of paragraphs that are a repeat of an earlier paragraph."""
     paras = view.paragraphs
     return duplicate_stats(paras)[0] / len(paras) if paras else 0.0
 
 
-@rule("gopher_dup_line_chars", "gopher_max_dup_line_char_ratio", group=REPETITION)
+@gopher_rule("gopher_dup_line_chars", "gopher_max_dup_line_char_ratio", group=REPETITION)
 def dup_line_char_ratio(view: TextView, settings: Mapping[str, Any]) -> float:
     """Share of characters in repeated lines."""
     return duplicate_stats(view.lines)[1] / max(len(view.text), 1)
 
 
-@rule("gopher_dup_paragraph_chars", "gopher_max_dup_para_char_ratio", group=REPETITION)
+@gopher_rule("gopher_dup_paragraph_chars", "gopher_max_dup_para_char_ratio", group=REPETITION)
 def dup_paragraph_char_ratio(view: TextView, settings: Mapping[str, Any]) -> float:
     """Share of characters in repeated paragraphs."""
     return duplicate_stats(view.paragraphs)[1] / max(len(view.text), 1)
@@ -169,6 +194,11 @@ def top_ngram_char_ratio(view: TextView, n: int) -> float:
         return 0.0
     values, counts = np.unique(h, return_counts=True)  # a sort; no argsort needed
     top = int(counts.argmax())
+    if counts[top] < 2:
+        # No n-gram repeats: nothing is repeated. Counting one occurrence (as datatrove
+        # does) rejects any text under ~5 n-grams' length: in a 150-character API entry
+        # one 4-gram of identifiers is already 0.2 of the characters.
+        return 0.0
     start = int(np.argmax(h == values[top]))
     # Its characters, with the n-1 spaces between the words, as datatrove measures it.
     chars = int(view.word_chars[start : start + n].sum()) + n - 1
@@ -212,11 +242,11 @@ def bounded_dup_ngram_ratio(view: TextView, n: int, limit: float) -> float:
 
 def _register_ngram_rules() -> None:
     for n in (2, 3, 4):
-        rule(f"gopher_top_{n}gram", f"gopher_max_top_{n}gram_ratio", group=REPETITION)(
+        gopher_rule(f"gopher_top_{n}gram", f"gopher_max_top_{n}gram_ratio", group=REPETITION)(
             lambda view, settings, n=n: top_ngram_char_ratio(view, n))
     for n in range(5, 11):
         key = f"gopher_max_dup_{n}gram_ratio"
-        rule(f"gopher_dup_{n}gram", key, group=REPETITION)(
+        gopher_rule(f"gopher_dup_{n}gram", key, group=REPETITION)(
             lambda view, settings, n=n, key=key: bounded_dup_ngram_ratio(view, n, settings[key]))
 
 
