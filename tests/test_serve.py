@@ -4,7 +4,9 @@ input gets the right status and one line (and the server goes on serving)."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import re
 import time
 
 import pytest
@@ -148,6 +150,9 @@ def test_completions_continue_the_prompt_and_stop_strings_cut(client, models):
 
 def test_models_lists_what_is_served(client, server):
     assert [m.id for m in client.models.list()] == ["sft", "base"]
+    # Beside OpenAI's fields: which models chat (the page offers completions for the rest).
+    _, _, body = raw(server.port, "GET", "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert [(m["id"], m["chat"]) for m in body["data"]] == [("sft", True), ("base", False)]
     status, _, body = raw(server.port, "GET", "/v1/models")  # no key
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
 
@@ -263,3 +268,22 @@ def test_a_full_queue_answers_429_and_frees_up(client, server, monkeypatch):
     wait_for(lambda: server.models["sft"].slots.held == 0, "both slots to be freed")
     monkeypatch.undo()
     still_serving(client)
+
+
+def test_the_page_is_served_from_the_package_without_a_cdn(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    pages = {}
+    for path in ("/", "/page/page.js", "/page/page.css"):  # no key needed for the page
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        pages[path] = (resp.status, resp.headers, resp.read().decode())
+    conn.close()
+    assert [(s, h["content-type"].split(";")[0]) for s, h, _ in pages.values()] == [
+        (200, "text/html"), (200, "text/javascript"), (200, "text/css")]
+    html, js = pages["/"][2], pages["/page/page.js"][2]
+    assert 'id="prompt"' in html and 'src="/page/page.js"' in html
+    assert "script-src 'self'" in pages["/"][1]["content-security-policy"]
+    assert not re.search(r"(src|href)=\"(https?:)?//", html)  # nothing from elsewhere
+    assert "/v1/chat/completions" in js and "innerHTML" not in js  # answers set as text
+    status, _, body = raw(server.port, "GET", "/page/../models.json")
+    assert status == 404 and "no route" in body["error"]["message"]

@@ -3,6 +3,7 @@ models, and a real ``lmforge serve`` process answering the ``openai`` client."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -17,7 +18,7 @@ from test_chat import Q1, make_model_dir
 from lmforge.cli import build_parser, main
 from lmforge.errors import InputError
 from lmforge.serve.cli import is_loopback
-from lmforge.serve.models import default_specs, parse_specs
+from lmforge.serve.models import default_specs, headline_figures, parse_specs
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -54,6 +55,8 @@ def test_model_specs_and_the_pipelines_defaults(tmp_path):
     (tmp_path / "models" / "dpo").mkdir()
     assert default_specs(tmp_path) == {"sft": tmp_path / "models/sft",
                                        "dpo": tmp_path / "models/dpo"}
+    (tmp_path / "models" / "final").mkdir()  # the pretrained model, as headline.json's base
+    assert list(default_specs(tmp_path).items())[0] == ("base", tmp_path / "models/final")
 
 
 def test_lmforge_serve_process_answers_the_openai_client(chat_tokenizer, tmp_path):
@@ -85,3 +88,15 @@ def test_lmforge_serve_process_answers_the_openai_client(chat_tokenizer, tmp_pat
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert f"serve: mine = {model} (chat + completions)" in err
+
+
+def test_the_pipelines_models_carry_their_headline_figures(tmp_path):
+    (tmp_path / "models" / "final").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    assert headline_figures(tmp_path / "models/final", tmp_path) is None  # no figures yet
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics/headline.json").write_text(json.dumps(
+        {"base": {"bpb": 2.5}, "sft": {"tok_acc": 0.2}}))
+    assert headline_figures(tmp_path / "models/final", tmp_path) == {"bpb": 2.5}
+    assert headline_figures(tmp_path / "models/../models/final", tmp_path) == {"bpb": 2.5}
+    assert headline_figures(tmp_path / "elsewhere", tmp_path) is None  # not the pipeline's

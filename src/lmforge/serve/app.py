@@ -1,5 +1,8 @@
 """The HTTP app: routes, the API key, the body and ``max_tokens`` caps, error bodies.
 
+The page at ``/`` (``page_routes``) needs no key: it holds nothing but the page; its
+requests to the API carry the key the user types into it.
+
 Every failure leaves as OpenAI's error object with one line of reason: a bad request 400,
 a wrong or missing key 401, an unknown model or route 404, a body past the cap 413, a
 full queue 429 (with ``Retry-After``). Streams are server-sent events: ``data: {...}``
@@ -25,6 +28,7 @@ from lmforge.serve.errors import ApiError, error_body
 from lmforge.serve.generation import Generation, Job
 from lmforge.serve.jobs import chat_job, completion_job
 from lmforge.serve.models import ServedModel
+from lmforge.serve.page_routes import page_routes
 from lmforge.serve.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -52,7 +56,8 @@ class ServeSettings:
 def create_app(models: dict[str, ServedModel], settings: ServeSettings) -> Starlette:
     """The Starlette app serving ``models``."""
     app = Starlette(
-        routes=[Route("/v1/models", list_models, methods=["GET"]),
+        routes=[*page_routes(),
+                Route("/v1/models", list_models, methods=["GET"]),
                 Route("/v1/chat/completions", chat_completions, methods=["POST"]),
                 Route("/v1/completions", completions, methods=["POST"])],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error,
@@ -67,9 +72,17 @@ async def list_models(request: Request) -> Response:
     """``GET /v1/models``: the served names."""
     _check_key(request)
     models: dict[str, ServedModel] = request.app.state.models
-    return JSONResponse({"object": "list", "data": [
-        {"id": m.name, "object": "model", "created": m.created, "owned_by": "lmforge"}
-        for m in models.values()]})
+    return JSONResponse({"object": "list", "data": [_model_entry(m) for m in models.values()]})
+
+
+def _model_entry(m: ServedModel) -> dict[str, Any]:
+    """One model as /v1/models lists it; beside OpenAI's fields (clients ignore extra
+    ones), whether it chats and its headline figures, for the page."""
+    entry = {"id": m.name, "object": "model", "created": m.created, "owned_by": "lmforge",
+             "chat": m.chat is not None}
+    if m.headline is not None:
+        entry["headline"] = m.headline
+    return entry
 
 
 async def chat_completions(request: Request) -> Response:

@@ -61,7 +61,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     s = subparsers.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
     s.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
                    help="a model to serve under NAME (repeat); default: models/final, "
-                        "models/sft and models/dpo as final, sft and dpo (those that exist)")
+                        "models/sft and models/dpo as base, sft and dpo (those that exist)")
     s.add_argument("--host", default=DEFAULT_HOST,
                    help=f"address to bind (default {DEFAULT_HOST}; any other needs --api-key)")
     s.add_argument("--port", type=int, default=DEFAULT_PORT)

@@ -8,18 +8,21 @@ replaces that list with its own (an imported open model included).
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lmforge.chat import load_chat_model
 from lmforge.errors import InputError
 from lmforge.finetune.template import ChatFormat, chat_format
+from lmforge.headline import HEADLINE_JSON
 from lmforge.model.llama import Llama
 from lmforge.serve.slots import ModelSlots
 from lmforge.tokenizer import Tokenizer
 
-DEFAULT_MODELS = {"final": "models/final", "sft": "models/sft", "dpo": "models/dpo"}
+DEFAULT_MODELS = {"base": "models/final", "sft": "models/sft", "dpo": "models/dpo"}
 # Names as model ids are usually written (llama3.2:1b, smollm2-360m-instruct): no slash,
 # no spaces, so that a name is never mistaken for a path.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
@@ -38,6 +41,7 @@ class ServedModel:
     chat_problem: str | None
     slots: ModelSlots
     created: int
+    headline: dict[str, Any] | None = None
 
 
 def parse_specs(specs: list[str]) -> dict[str, Path]:
@@ -66,9 +70,10 @@ def default_specs(root: Path = Path(".")) -> dict[str, Path]:
     return found
 
 
-def load_models(specs: dict[str, Path], device: str | None, queue_size: int
-                ) -> dict[str, ServedModel]:
-    """Load every model of ``specs`` (a missing path is one line, before any loading)."""
+def load_models(specs: dict[str, Path], device: str | None, queue_size: int,
+                root: Path = Path(".")) -> dict[str, ServedModel]:
+    """Load every model of ``specs`` (a missing path is one line, before any loading);
+    ``root`` is the pipeline's folder, for the headline figures."""
     for name, path in specs.items():
         if not path.exists():
             raise InputError(f"{path}: no such model (--model {name}={path})")
@@ -80,5 +85,19 @@ def load_models(specs: dict[str, Path], device: str | None, queue_size: int
         except InputError as e:  # a base model on a tokenizer without chat markers
             fmt, problem = None, str(e)
         served[name] = ServedModel(name, path, model, tokenizer, fmt, problem,
-                                   ModelSlots(name, queue_size), int(path.stat().st_mtime))
+                                   ModelSlots(name, queue_size), int(path.stat().st_mtime),
+                                   headline_figures(path, root))
     return served
+
+
+def headline_figures(path: Path, root: Path = Path(".")) -> dict[str, Any] | None:
+    """The figures ``metrics/headline.json`` under ``root`` gives the model at ``path``
+    (None: not one of the pipeline's models, or no figures yet)."""
+    keys = {(root / folder).resolve(): key for key, folder in DEFAULT_MODELS.items()}
+    key = keys.get(path.resolve())
+    try:
+        figures = json.loads((root / HEADLINE_JSON).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # not run yet, or being rewritten: the page does without
+        return None
+    found = figures.get(key) if key and isinstance(figures, dict) else None
+    return found if isinstance(found, dict) else None
