@@ -7,13 +7,17 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import shutil
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from chat_tokenizer import train
 from serve_server import RawStream, ThreadServer, raw, wait_for
 from test_chat import Q1, Q2, SYSTEM, make_model_dir
 
+import lmforge.serve as server_module
 from lmforge import chat as chat_mod
 from lmforge.cli import main
 from lmforge.finetune.template import generation_prompt
@@ -287,3 +291,34 @@ def test_the_page_is_served_from_the_package_without_a_cdn(server):
     assert "/v1/chat/completions" in js and "innerHTML" not in js  # answers set as text
     status, _, body = raw(server.port, "GET", "/page/../models.json")
     assert status == 404 and "no route" in body["error"]["message"]
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="no Node.js to run the page script")
+@pytest.mark.parametrize("mode", ["chat", "completion"])
+def test_the_page_script_streams_each_models_answer(client, server, mode):
+    """page.js run by Node against this server (a DOM stand-in, not a browser): each
+    ticked model's column shows the answer the API gives, or the API's refusal."""
+    page_js = Path(server_module.__file__).parent / "page" / "page.js"
+    harness = Path(__file__).parent / "serve_page_harness.js"
+    proc = subprocess.run(["node", str(harness), str(page_js), f"http://127.0.0.1:{server.port}",
+                           KEY, mode, Q1, "12"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    shown = json.loads(proc.stdout)
+    columns = {c["model"]: c for c in shown["columns"]}
+    assert list(columns) == ["sft", "base"] and shown["status"] == ""
+    for name, column in columns.items():
+        if mode == "chat" and name == "base":  # no chat format: the API's one line
+            assert column["done"] == "error" and "/v1/completions" in column["answer"]
+            continue
+        if mode == "chat":
+            want = ask(client, model=name, messages=[{"role": "user", "content": Q1}],
+                       max_tokens=12)
+            text = want.choices[0].message.content
+        else:
+            want = client.completions.create(model=name, prompt=Q1, max_tokens=12,
+                                             temperature=0)
+            text = want.choices[0].text
+        assert (column["done"], column["answer"]) == ("true", text) and text
+        assert column["meta"].startswith(f"{want.choices[0].finish_reason} · "
+                                         f"{want.usage.prompt_tokens} prompt + "
+                                         f"{want.usage.completion_tokens} completion tokens")
