@@ -8,7 +8,9 @@ process, interleaved rounds, best round of each:
 * ``step``: ``optimizer.step()`` alone on those gradients, for AdamW (fused), torch's Muon
   and lmforge's Muon (its Newton-Schulz dtype chosen by :func:`newton_schulz_dtype`);
 * ``train``: whole optimizer steps as the train stage takes them (``optimizer_step``,
-  compiled where the demo compiles), tokens/s, for AdamW, torch's Muon and lmforge's.
+  compiled where the demo compiles), tokens/s, for AdamW, torch's Muon and lmforge's;
+* ``newton_schulz``: lmforge's ``orthogonalize`` alone, in the chosen dtype, on one
+  matrix of each of the model's Muon shapes (float32 takes the Gram form on the MLP's).
 
 Issue 43's targets: on a CPU without bf16 units, lmforge's Muon step <= 0.5x the
 forward+backward and its train tokens/s within 15 % of AdamW's. Such a CPU can be
@@ -23,16 +25,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 from bench_train import CONTEXT, LAYERS, VOCAB, WIDTH, Ours, make_data, timed
 
 from lmforge.train.compiler import resolve_compile
-from lmforge.train.muon import newton_schulz_dtype, probe_seconds
+from lmforge.train.muon import newton_schulz_dtype, orthogonalize, probe_seconds
 from lmforge.train.optim import muon_parameters
 
 MICRO = 8  # the demo's micro-batch (params.yaml train.micro_batch_size); --micro sets it
@@ -66,6 +70,13 @@ def step_only(trainer: Ours) -> float:
     return time.perf_counter() - t0
 
 
+def newton_schulz_only(matrix: torch.Tensor, dtype: torch.dtype) -> float:
+    """Seconds of lmforge's orthogonalisation of one ``matrix`` (5 iterations)."""
+    t0 = time.perf_counter()
+    orthogonalize(matrix, dtype)
+    return time.perf_counter() - t0
+
+
 def measure(args: argparse.Namespace) -> dict:
     """Every figure, interleaved over ``args.rounds`` rounds; the best round of each."""
     compiled = resolve_compile("auto", torch.device("cpu"))[0]
@@ -88,16 +99,23 @@ def measure(args: argparse.Namespace) -> dict:
         for t in eager.values():
             forward_backward(t)
             step_only(t)
+        shapes = sorted({tuple(p.shape) for _, p in muon_parameters(eager["adamw"].model)})
+        dtype, why = newton_schulz_dtype(torch.device("cpu"), max(shapes, key=math.prod))
+        gen = torch.Generator().manual_seed(0)
+        matrices = {f"{r}x{c}": torch.randn(r, c, generator=gen) for r, c in shapes}
+        for m in matrices.values():
+            newton_schulz_only(m, getattr(torch, dtype))
         fb, step, train_s = [], {n: [] for n in eager}, {n: [] for n in train}
+        ns = {k: [] for k in matrices}
         for r in range(args.rounds):
             names = list(eager) if r % 2 == 0 else list(eager)[::-1]
             for name in names:
                 fb.append(forward_backward(eager[name]))
                 step[name].append(step_only(eager[name]))
                 train_s[name].append(timed(train[name], args.steps))
-    shape = max((p.shape for _, p in muon_parameters(eager["adamw"].model)),
-                key=lambda s: s.numel())
-    dtype, why = newton_schulz_dtype(torch.device("cpu"), tuple(shape))
+            for k, m in matrices.items():
+                ns[k].append(newton_schulz_only(m, getattr(torch, dtype)))
+    shape = max(shapes, key=math.prod)
     bf16, fp32 = probe_seconds(tuple(sorted(int(n) for n in shape)), torch.get_num_threads())
     return {"machine": platform.processor() or platform.machine(),
             "threads": torch.get_num_threads(), "compiled": compiled,
@@ -105,7 +123,10 @@ def measure(args: argparse.Namespace) -> dict:
             "ns_dtype": dtype, "why": why, "probe_bf16_over_fp32": bf16 / fp32,
             "forward_backward_s": min(fb),
             "step_s": {n: min(v) for n, v in step.items()},
-            "train_tokens_per_s": {n: tokens / min(v) for n, v in train_s.items()}}
+            "train_tokens_per_s": {n: tokens / min(v) for n, v in train_s.items()},
+            "newton_schulz_s": {k: min(v) for k, v in ns.items()},
+            "muon_matrices": {f"{r}x{c}": n for (r, c), n in Counter(
+                tuple(p.shape) for _, p in muon_parameters(eager["adamw"].model)).items()}}
 
 
 def report(r: dict) -> None:
@@ -119,6 +140,9 @@ def report(r: dict) -> None:
     tps = r["train_tokens_per_s"]
     for name, v in tps.items():
         print(f"  train {name:12s} {v:8,.0f} tokens/s = {v / tps['adamw']:.2f}x AdamW")
+    for shape, s in r.get("newton_schulz_s", {}).items():
+        print(f"  Newton-Schulz {shape:9s} {s * 1e3:7.2f} ms in {r['ns_dtype']} "
+              f"(x{r['muon_matrices'][shape]} matrices)")
     if "torch muon" in r["step_s"]:
         print(f"lmforge Muon step / torch Muon step: "
               f"{r['step_s']['lmforge muon'] / r['step_s']['torch muon']:.3f}x")
