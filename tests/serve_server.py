@@ -19,10 +19,12 @@ from lmforge.serve.models import load_models
 
 
 class ThreadServer:
-    """uvicorn serving ``models`` ({name: path}) with ``settings`` until ``stop``."""
+    """uvicorn serving ``models`` ({name: path}) with ``settings`` until ``stop``;
+    ``root`` is the pipeline's folder its headline figures are read from."""
 
-    def __init__(self, models: dict[str, Path], settings: ServeSettings) -> None:
-        self.models = load_models(models, "cpu", settings.queue_size)
+    def __init__(self, models: dict[str, Path], settings: ServeSettings,
+                 root: Path = Path(".")) -> None:
+        self.models = load_models(models, "cpu", settings.queue_size, root)
         self.app = create_app(self.models, settings)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))  # a free port, held from here on: no race for it
