@@ -35,7 +35,8 @@ from lmforge.headline import headline, headline_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = ("README.md", "docs/data.md", "docs/training.md", "docs/post-training.md",
-         "docs/scale.md", "docs/tracking.md", "docs/mixture.md", "docs/results.md")
+         "docs/scale.md", "docs/tracking.md", "docs/mixture.md", "docs/results.md",
+         "bench/RESULTS.md")
 INLINE = re.compile(r"<!--=(.*?)-->(.*?)<!--/-->", re.S)
 BLOCK = re.compile(r"(<!-- gen:([a-z_]+) -->\n).*?(<!-- /gen:\2 -->)", re.S)
 PLAN = re.compile(r"```\n\$ (lmforge plan [^\n]*)\n.*?```", re.S)
