@@ -14,6 +14,7 @@ from lmforge.config import MixConfig
 from lmforge.data.dedup import CLUSTERS_SCHEMA
 from lmforge.data.mix import (
     domain_rng,
+    fill_gap,
     run_mix,
     sample_copies,
     shortfall_line,
@@ -273,6 +274,25 @@ def test_skipping_long_documents_is_deterministic():
     assert np.array_equal(runs[0], runs[1]) and not np.array_equal(runs[0], runs[2])
     for copies in runs:
         assert copies[0] == 0 and abs((units * copies).sum() - 175_000) <= 1750
+
+
+@pytest.mark.parametrize("long_first", [False, True])
+def test_a_long_document_skipped_at_the_end_is_traded_in_not_added_on_top(long_first):
+    """Issue 46's lodash case at mix.total null: 600 short files and one 544k build, the
+    share 956k. Walked with the build last, every short file is taken (600k) and the
+    gap is still open: the build is traded in for short files taken last, so the
+    sample lands on the share (before: added on top, +19.7 %); with the build first the
+    walk takes it and fills the rest with short files, as it always did."""
+    units = np.array([1000.0] * 600 + [544_000.0])
+    if long_first:
+        units = units[::-1].copy()
+    chosen = fill_gap(units, 956_000.0, 9560.0)
+    assert len(set(chosen.tolist())) == len(chosen)  # no document twice
+    assert units[chosen].sum() == pytest.approx(956_000.0, abs=1000.0)
+    assert 544_000.0 in units[chosen]
+    # A document longer than the whole gap is never traded in: the short files stay.
+    huge = np.array([1000.0] * 600 + [2_000_000.0])
+    assert huge[fill_gap(huge, 956_000.0, 9560.0)].sum() == 600_000.0
 
 
 def old_sample_copies(units: np.ndarray, target: float, rng: np.random.Generator) -> np.ndarray:

@@ -147,9 +147,9 @@ def fill_gap(units: np.ndarray, rest: float, tolerance: float) -> np.ndarray:
     (taking it when that is nearer): a domain of short documents is sampled as it
     always was. Otherwise that document is too long for the gap: it is skipped and the
     walk goes on, so one huge document cannot end the sample wherever it falls in the
-    order. If the gap is still open at the end, the shortest skipped document is added
-    when that lands nearer ``rest`` than the gap does: the miss is then below the
-    shortest document left out.
+    order. If the gap is still open at the end, a skipped document is traded in for
+    documents already taken (``trade_in``), or else the shortest skipped one is added
+    when that lands nearer ``rest`` than the gap does.
     """
     cum = np.cumsum(units)
     k = int(np.searchsorted(cum, rest))  # units[:k] fit: the vectorised common case
@@ -168,10 +168,42 @@ def fill_gap(units: np.ndarray, rest: float, tolerance: float) -> np.ndarray:
             return np.array(taken, dtype=np.int64)
         skipped.append(pos)
     if skipped:
+        traded = trade_in(units, taken, skipped, rest, tolerance)
+        if traded is not None:
+            return traded
         shortest = min(skipped, key=lambda p: units[p])  # the first in the order on ties
         if got + units[shortest] - rest < rest - got:
             taken.append(shortest)
     return np.array(taken, dtype=np.int64)
+
+
+def trade_in(units: np.ndarray, taken: list[int], skipped: list[int], rest: float,
+             tolerance: float) -> np.ndarray | None:
+    """The walk's sample with one long skipped document in it, made room for by giving
+    back documents taken last, or None when no such trade lands within ``tolerance``.
+
+    Every document short of the gap was taken and the gap is still open: the long
+    documents were skipped only for where they fell in the order. Adding one overshoots by
+    more than the gap, so the documents taken last are given back, latest first, each
+    only if that brings the sample nearer ``rest`` and keeps it above ``rest -
+    tolerance``. The first skipped document (in the seeded order) whose trade lands within
+    ``tolerance`` is kept: a domain whose one huge file holds half its text still gets its
+    share, holding that file or not as the seed says.
+    """
+    for long_pos in skipped:
+        if units[long_pos] > rest + tolerance:
+            continue  # longer than the whole gap: no trade can hold it
+        kept, got = list(taken), float(units[taken].sum()) + float(units[long_pos])
+        for i in range(len(kept) - 1, -1, -1):
+            if got <= rest:
+                break
+            less = got - float(units[kept[i]])
+            if less >= rest - tolerance and abs(less - rest) < got - rest:
+                got = less
+                kept.pop(i)
+        if abs(got - rest) <= tolerance:
+            return np.array(sorted([*kept, long_pos]), dtype=np.int64)
+    return None
 
 
 @dataclass(frozen=True)
