@@ -62,7 +62,19 @@ TOTAL = 1_300_000  # train chars: code_js's 20 % (260 K) is less than lodash.js 
 SEEDS = (1234, 1, 2, 3, 4)  # mix: a document too long for the gap is skipped
 
 
-def build(out: Path) -> list[dict]:
+# lodash/fp's wrappers are build output, written by lodash's build script from one
+# template (``var convert = require('./convert'), func = convert('add', ...``): 348 files
+# of ~150 characters that are not in the library's source tree. The code kind rejects
+# them (min_chars), as a person would; they are left out unless --with-generated.
+GENERATED_FP = "var convert = require('./convert')"
+
+
+def is_generated(path: str, content: str) -> bool:
+    """Whether a lodash package file is one of lodash/fp's generated wrappers."""
+    return path.startswith("fp/") and content.startswith(GENERATED_FP)
+
+
+def build(out: Path, with_generated: bool = False) -> list[dict]:
     """Write the four domains under OUT/raw; return ingest.sources for them."""
     work = out / ".downloads"
     work.mkdir(parents=True, exist_ok=True)
@@ -101,6 +113,8 @@ def build(out: Path) -> list[dict]:
                   "content": t.extractfile(m).read().decode("utf-8")}
                  for m in sorted(t.getmembers(), key=lambda m: m.name)
                  if m.isfile() and m.name.endswith(".js")]
+    if not with_generated:
+        files = [f for f in files if not is_generated(f["path"], f["content"])]
     (raw / "code_js").mkdir(exist_ok=True)
     pq.write_table(pa.Table.from_pylist(files), raw / "code_js" / "lodash.parquet")
     print(f"corpus: reviews {len(rows):,}, dialogues {len(en):,} en + {len(other):,} other, "
@@ -251,9 +265,11 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=3)
     p.add_argument("--before", action="store_true",
                    help=f"also run mix as of {SAMPLER_COMMIT}^ on the same input")
+    p.add_argument("--with-generated", action="store_true",
+                   help="keep lodash/fp's generated one-line wrappers in code_js")
     args = p.parse_args()
     out = args.out.resolve()
-    proj = project(out, build(out))
+    proj = project(out, build(out, args.with_generated))
     log = out / "stages.log"
     log.write_text("", encoding="utf-8")
     rc = run_stages(proj, REPO, STAGES, log)
