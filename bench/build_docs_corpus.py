@@ -29,6 +29,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from build_kinds_corpus import write  # run from bench/: python bench/build_docs_corpus.py
+
 DEB = "nodejs-doc=18.20.4+dfsg-1~deb12u3"
 DEB_SHA256 = "d2fbd4f3aecccea9d901a03842ef8380379e0d33010a48af5e797ed68ae874ce"
 API_DIR = "usr/share/doc/nodejs/api"
@@ -71,14 +73,8 @@ def build(out: Path) -> Path:
         name = page.name.removesuffix(".md.gz")
         for i, text in enumerate(sections(gzip.decompress(page.read_bytes()).decode("utf-8"))):
             docs.append({"id": f"node/{name}/{i}", "text": text})
-    path = out / DOMAIN / "part-0000.jsonl.gz"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
-        for d in docs:
-            f.write((json.dumps(d, ensure_ascii=False) + "\n").encode("utf-8"))
-    size = sum(len(d["text"].encode("utf-8")) for d in docs)
-    print(f"{DOMAIN}: {len(docs)} documents, {size / 1e6:.2f} MB -> {path}")
-    return path
+    write(out, DOMAIN, docs)  # the kinds corpus's writer: the same gzip bytes, mtime 0
+    return out / DOMAIN / "part-0000.jsonl.gz"
 
 
 def measure(path: Path, kind: str, samples: int) -> None:

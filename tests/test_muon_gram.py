@@ -13,11 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 from test_train_loop import inputs, run, tiny_params
-from test_train_muon import NS, known_matrix, ns_reference
+from test_train_muon import NS, known_matrix, ns_reference, resumes_from_step_4_bit_identical
 
-from lmforge.train import checkpoint as ckpt
 from lmforge.train import muon as muon_module
-from lmforge.train import runs
 from lmforge.train.muon import (
     GRAM_MIN_ASPECT,
     Muon,
@@ -184,12 +182,5 @@ def test_a_float32_muon_run_takes_the_gram_form_and_resumes_bit_identical(
     first = run(params, inputs, tmp_path / "c", logs)
     assert any("Muon orthogonalises in float32" in line for line in logs)
     assert calls and all(cols >= GRAM_MIN_ASPECT * rows for rows, cols in calls)
-    run_dir = tmp_path / "c" / runs.run_id(first.fingerprint)
-    state = ckpt.read_checkpoint(run_dir / "step-000004.pt")
+    state = resumes_from_step_4_bit_identical(first, params, inputs, tmp_path / "c", logs)
     assert state["optimizer"]["muon"]["param_groups"][0]["ns_dtype"] == "float32"
-    (run_dir / "step-000008.pt").unlink()
-    resumed = run(params, inputs, tmp_path / "c", logs)
-    assert any("resuming from" in line and "step-000004" in line for line in logs)
-    for name, tensor in first.model.state_dict().items():
-        assert torch.equal(resumed.model.state_dict()[name], tensor), name
-    assert resumed.metrics["val_loss"] == first.metrics["val_loss"]

@@ -201,16 +201,24 @@ def test_a_muon_run_trains_checkpoints_both_optimizers_and_resumes_bit_identical
     assert first.history[-1]["loss"] < first.history[0]["loss"]
     rows = [r for r in first.history if "lr_muon" in r]
     assert rows and all(r["lr_muon"] / r["lr"] == pytest.approx(0.02 / 3e-3) for r in rows)
-    run_dir = tmp_path / "c" / runs.run_id(first.fingerprint)
-    state = ckpt.read_checkpoint(run_dir / "step-000004.pt")
+    state = resumes_from_step_4_bit_identical(first, params, inputs, tmp_path / "c", logs)
     assert set(state["optimizer"]) == {"adamw", "muon"}
     assert all("momentum_buffer" in s for s in state["optimizer"]["muon"]["state"].values())
+
+
+def resumes_from_step_4_bit_identical(first, params, inputs, root, logs) -> dict:
+    """Rerun ``first`` (8 steps, checkpoints every 4, under ``root``) with its last
+    checkpoint gone: it resumes at step 4 and ends with the very same weights and val
+    loss. Returns the step-4 checkpoint's state for the caller's own checks."""
+    run_dir = root / runs.run_id(first.fingerprint)
+    state = ckpt.read_checkpoint(run_dir / "step-000004.pt")
     (run_dir / "step-000008.pt").unlink()
-    resumed = run(params, inputs, tmp_path / "c", logs)
+    resumed = run(params, inputs, root, logs)
     assert any("resuming from" in line and "step-000004" in line for line in logs)
     for name, tensor in first.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], tensor), name
     assert resumed.metrics["val_loss"] == first.metrics["val_loss"]
+    return state
 
 
 def test_a_checkpoint_of_the_other_optimizer_is_refused():
