@@ -36,6 +36,7 @@ Other uses:
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
 import json
 import os
@@ -61,12 +62,14 @@ from torch.profiler import ProfilerActivity
 from lmforge.config import ModelConfig, TrainConfig
 from lmforge.model.compiling import before_compile
 from lmforge.model.llama import Llama
+from lmforge.model.loss import LIGER
 from lmforge.plan import Setup, plan
 from lmforge.shards.loader import ShardSet, WindowLoader
 from lmforge.shards.writer import write_shards
 from lmforge.train.compiler import resolve_compile
 from lmforge.train.distributed import DistEnv
 from lmforge.train.fsdp import build_sharded, ensure_process_group
+from lmforge.train.loss_choice import describe, fused_loss_for_run
 from lmforge.train.optim import build_optimizer
 from lmforge.train.precision import Precision, resolve_precision
 from lmforge.train.step import optimizer_step
@@ -92,6 +95,8 @@ NANOGPT_ITER = re.compile(
 NANOGPT_TOKENS = re.compile(r"^tokens per iteration will be: ([\d,]+)\s*$", re.M)
 NANOGPT_PARAMS = re.compile(r"^number of parameters: ([\d.]+)M\s*$", re.M)
 NANOGPT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# --fused-loss -> train.fused_loss (auto: what a run resolves; liger needs liger_kernel).
+FUSED_LOSS: dict[str, bool | str] = {"auto": "auto", "true": True, "false": False}
 
 
 # --------------------------------------------------------------------------- lmforge's step
@@ -156,7 +161,8 @@ def build_step(strategy: str, args: argparse.Namespace, device: torch.device, sh
     mcfg = ModelConfig(n_layer=shape["n_layer"], n_head=shape["n_head"],
                        n_embd=shape["n_embd"], seq_len=shape["seq_len"])
     cfg = TrainConfig(max_steps=10_000, micro_batch_size=micro, grad_accum_steps=args.accum,
-                      precision=args.precision, warmup=0)
+                      precision=args.precision, warmup=0, fused_loss=FUSED_LOSS.get(args.fused_loss, True),
+                      strategy="fsdp" if strategy == "fsdp" else "ddp")
     precision = resolve_precision(cfg.precision, device)
     requested = {"auto": "auto", "true": True, "false": False}[args.compile]
     compiled, how = resolve_compile(requested, device)
@@ -172,7 +178,12 @@ def build_step(strategy: str, args: argparse.Namespace, device: torch.device, sh
         model = Llama(mcfg, shape["vocab"]).to(device)
         if compiled:
             before_compile()
-        step_model = torch.compile(model) if compiled else model
+        step_model = (torch.compile(model, mode=args.compile_mode) if compiled else model)
+        how += f" ({args.compile_mode})" if compiled and args.compile_mode else ""
+    # The loss as a run resolves train.fused_loss (the loop's call): auto probes on CUDA.
+    model.fused_loss = (LIGER if args.fused_loss == LIGER else fused_loss_for_run(
+        cfg, mcfg, model, precision, env, compiled, micro, print))
+    how += f"; {describe(model.fused_loss, cfg.fused_loss)}"
     optimizer = build_optimizer(model, cfg, device)
     for group in optimizer.param_groups:
         group["lr"] = 3e-4
@@ -271,7 +282,11 @@ def profile_step(step: Step, loader: WindowLoader, n: int,
         _sync(device)
     events = prof.key_averages()
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy = (sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+            if cuda else sum(e.self_cpu_time_total for e in events))
     return {"kind": "CUDA kernels" if cuda else "CPU ops", "steps": n,
+            # The device's busy time a step: against the timed step, the idle share.
+            "busy_ms_per_step": busy / 1000 / max(n, 1),
             "top": top_events(events, cuda, n),
             "ops_table": events.table(sort_by=sort, row_limit=PROFILE_ROWS)}
 
@@ -293,7 +308,8 @@ def top_events(events: Any, cuda: bool, steps: int, k: int = PROFILE_ROWS) -> li
 def format_profile(profile: dict, title: str) -> str:
     """The profile file: the top-k table, then the profiler's own table of ops."""
     lines = [title, f"top {len(profile['top'])} {profile['kind']} by self time over "
-                    f"{profile['steps']} steps", "",
+                    f"{profile['steps']} steps; busy {profile.get('busy_ms_per_step', 0):.2f} "
+                    "ms a step in all", "",
              f"{'#':>3}  {'ms/step':>9}  {'share':>6}  {'calls':>6}  name"]
     for i, row in enumerate(profile["top"], 1):
         name = row["name"] if len(row["name"]) <= 140 else row["name"][:137] + "..."
@@ -417,6 +433,59 @@ def measure_nanogpt(args: argparse.Namespace, device: torch.device, shape: dict,
     return out
 
 
+def profile_nanogpt(args: argparse.Namespace, device: torch.device, shape: dict, micro: int,
+                    precision: str, compiled: bool) -> dict[str, Any]:
+    """nanoGPT's own model (the checkout's model.py: its GPT, its fused AdamW) stepped as
+    its train.py steps it, in this process and profiled as lmforge's step is: where its
+    time goes, kernel by kernel, beside lmforge's. Also its median step over ``--steps``
+    (a cross-check of the subprocess's figure, not the figure compared)."""
+    sys.path.insert(0, str(Path(args.nanogpt).resolve()))
+    try:
+        import model as nanogpt_model  # the checkout's model.py
+    finally:
+        sys.path.pop(0)
+    torch.manual_seed(0)
+    conf = nanogpt_model.GPTConfig(block_size=shape["seq_len"], vocab_size=shape["vocab"],
+                                   n_layer=shape["n_layer"], n_head=shape["n_head"],
+                                   n_embd=shape["n_embd"], dropout=0.0, bias=False)
+    gpt = nanogpt_model.GPT(conf).to(device)
+    optimizer = gpt.configure_optimizers(0.1, 6e-4, (0.9, 0.95), device.type)
+    step_model = torch.compile(gpt) if compiled else gpt
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    windows = [torch.randint(shape["vocab"], (micro, shape["seq_len"] + 1), device=device)
+               for _ in range(4)]
+    batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]
+
+    class _Step:  # what profile_step runs: train.py's iteration, accumulation 1
+        calls = 0
+
+        def run(self, _loader: Any) -> float:
+            x, y = batches[self.calls % len(batches)]
+            self.calls += 1
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                _, loss = step_model(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(gpt.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.item()  # train.py's lossf: one sync an iteration
+
+    step = _Step()
+    for _ in range(args.warmup):
+        step.run(None)
+    times, _ = time_steps(step, None, args.steps, device)  # type: ignore[arg-type]
+    prof = profile_step(step, None, args.profile_steps, device)  # type: ignore[arg-type]
+    ms = statistics.median(times) * 1000
+    title = (f"nanoGPT model.py in-process profile: {shape}, batch {micro}x{shape['seq_len']}, "
+             f"{precision}, {'compiled' if compiled else 'eager'}; timed {ms:.2f} ms a step")
+    path = profile_path(args, "profile_nanogpt")
+    path.write_text(format_profile(prof, title), encoding="utf-8")
+    del step_model, gpt, optimizer, batches, windows
+    return {"file": str(path), "step_ms_median": ms,
+            "tok_s": micro * shape["seq_len"] / (ms / 1000),
+            "busy_ms_per_step": prof["busy_ms_per_step"], "top": prof["top"]}
+
+
 # --------------------------------------------------------------------------- figures
 
 
@@ -500,6 +569,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--compile", default="auto", choices=["auto", "true", "false"])
     ap.add_argument("--strategy", default="both", choices=["plain", "fsdp", "both"],
                     help="plain: the module one process trains (and DDP wraps); fsdp: FSDP2")
+    ap.add_argument("--fused-loss", default="auto", choices=[*FUSED_LOSS, LIGER],
+                    help="train.fused_loss: auto (a run's probe on CUDA), true (chunked), "
+                         "false (plain logits), liger")
+    ap.add_argument("--compile-mode", default=None,
+                    help="torch.compile's mode for the plain step (e.g. reduce-overhead)")
+    ap.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                    help="set torch._inductor.config.KEY (a Python literal); repeatable")
     ap.add_argument("--micro", type=int, default=None, help="windows per micro-batch")
     ap.add_argument("--accum", type=int, default=1)
     ap.add_argument("--steps", type=int, default=30, help="timed optimizer steps")
@@ -513,6 +589,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile", default=None, metavar="FILE",
                     help="write the top kernels of lmforge's step by self time here")
     ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--nanogpt-profile", action="store_true",
+                    help="with --nanogpt and --profile: also profile nanoGPT's model.py "
+                         "stepped in this process (profile_nanogpt.txt)")
     ap.add_argument("--json", default=None, metavar="FILE", help="every figure, one file")
     ap.add_argument("--out", default=None, metavar="DIR",
                     help="write bench_gpu_mfu.json (and nanogpt.log) here")
@@ -534,6 +613,7 @@ def resolve_outputs(args: argparse.Namespace, ap: argparse.ArgumentParser) -> No
         args.strategy = "both"
         args.nanogpt = args.nanogpt or str(REPO / ".nanogpt")
         args.profile = args.profile or str(out / "profile.txt")
+        args.nanogpt_profile = True
     if out is not None:
         args.json = args.json or str(out / "bench_gpu_mfu.json")
     args.nanogpt_log = out / "nanogpt.log" if out is not None and args.nanogpt else None
@@ -542,6 +622,25 @@ def resolve_outputs(args: argparse.Namespace, ap: argparse.ArgumentParser) -> No
             if not (Path(args.nanogpt) / name).is_file():
                 ap.error(f"--nanogpt {args.nanogpt}: no {name} there (a checkout of "
                          "karpathy/nanoGPT; bench/RESULTS.md, 'GPU MFU', says how to get one)")
+
+
+def set_inductor(settings: list[str]) -> None:
+    """``--inductor KEY=VALUE``: set ``torch._inductor.config.KEY`` (dotted keys reach
+    its sub-configs) to the Python literal VALUE; an unknown key is an error."""
+    if not settings:
+        return
+    import torch._inductor.config as inductor_config
+
+    for item in settings:
+        key, _, text = item.partition("=")
+        *parents, leaf = key.split(".")
+        target = inductor_config
+        for part in parents:
+            target = getattr(target, part)
+        if not hasattr(target, leaf):
+            raise SystemExit(f"--inductor {item}: torch._inductor.config has no {key}")
+        setattr(target, leaf, ast.literal_eval(text))
+        print(f"inductor: {key} = {getattr(target, leaf)!r}")
 
 
 def run_phase(doc: dict, name: str, fn: Callable[[], Any], save: Callable[[], None]) -> Any:
@@ -575,6 +674,8 @@ def header(args: argparse.Namespace, device: torch.device, shape: dict, micro: i
             shape["seq_len"], "precision": precision, "steps": args.steps,
             "warmup": args.warmup, "matmul_tflops": ceiling / 1e12,
             "spec_peak_tflops": peak / 1e12 if peak else None,
+            "fused_loss": args.fused_loss, "compile_mode": args.compile_mode,
+            "inductor": args.inductor,
             "plain": None, "fsdp": None, "nanogpt": None, "ratios": {}, "profile": None,
             "phases_s": {}, "errors": {}}
 
@@ -583,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the parts asked for; exit 1 when one of them failed."""
     args = parse_args(argv)
     t_start = time.perf_counter()
+    set_inductor(args.inductor)
     device = torch.device(args.device)
     shape = TINY if args.tiny else GPT2_SMALL
     micro = args.micro or (4 if args.tiny or device.type == "cpu" else 16)
@@ -602,10 +704,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             write_json(Path(args.json), doc)
 
+    compiled, _ = resolve_compile({"auto": "auto", "true": True, "false": False}[
+        args.compile], device)
     strategies = ("plain", "fsdp") if args.strategy == "both" else (args.strategy,)
     for strategy in strategies:
-        # The profile is of the first strategy measured: the plain step unless only fsdp.
-        prof = args.profile_steps if args.profile and strategy == strategies[0] else 0
+        prof = args.profile_steps if args.profile else 0
         r = run_phase(doc, strategy, lambda s=strategy, p=prof: measure(
             s, args, device, shape, micro, p), save)
         free_compiled(device)
@@ -613,16 +716,16 @@ def main(argv: list[str] | None = None) -> int:
             continue
         doc[strategy] = strategy_figures(r, peak, ceiling)
         report(r, doc[strategy], args, doc["device"], micro, ceiling, peak)
+        # The first strategy's profile is 'profile' (profile.txt), the next 'profile_fsdp'.
+        key = "profile" if strategy == strategies[0] else f"profile_{strategy}"
         if r["profile"] and "error" in r["profile"]:
-            doc["errors"]["profile"] = r["profile"]["error"]
+            doc["errors"][key] = r["profile"]["error"]
         elif r["profile"]:
-            write_profile(args, doc, r, micro)
+            write_profile(args, doc, r, micro, key)
         save()
     if "fsdp_over_plain" in ratios(doc):
         print(f"fsdp / plain tokens/s: {ratios(doc)['fsdp_over_plain']:.3f}")
     if args.nanogpt:
-        compiled, _ = resolve_compile({"auto": "auto", "true": True, "false": False}[
-            args.compile], device)
         doc["nanogpt"] = run_phase(doc, "nanogpt", lambda: measure_nanogpt(
             args, device, shape, micro, precision.name, compiled), save)
         if doc["nanogpt"]:
@@ -630,22 +733,43 @@ def main(argv: list[str] | None = None) -> int:
             for key, value in ratios(doc).items():
                 if key.endswith("_over_nanogpt"):
                     print(f"{key.replace('_over_', ' / ')} tokens/s: {value:.3f}")
+    if args.nanogpt and args.profile and args.nanogpt_profile:
+        free_compiled(device)
+        doc["profile_nanogpt"] = run_phase(doc, "profile_nanogpt", lambda: profile_nanogpt(
+            args, device, shape, micro, precision.name, compiled), save)
+        if doc["profile_nanogpt"]:
+            n = doc["profile_nanogpt"]
+            print(f"[nanogpt in-process] {n['tok_s']:,.0f} tokens/s ({n['step_ms_median']:.2f} "
+                  f"ms a step, busy {n['busy_ms_per_step']:.2f}); profile: {n['file']}")
     save()
     print(f"total {doc['total_s']:.0f} s" + (f"; figures in {args.json}" if args.json else ""))
     return 1 if doc["errors"] else 0
 
 
-def write_profile(args: argparse.Namespace, doc: dict, r: dict, micro: int) -> None:
-    """Write the profile file and keep its top rows in the JSON."""
+def profile_path(args: argparse.Namespace, key: str) -> Path:
+    """The file of profile ``key``: ``--profile`` itself for 'profile', else its name with
+    the rest of the key added (profile.txt -> profile_fsdp.txt)."""
+    first = Path(args.profile)
+    return first if key == "profile" else first.with_name(
+        first.stem + key.removeprefix("profile") + first.suffix)
+
+
+def write_profile(args: argparse.Namespace, doc: dict, r: dict, micro: int,
+                  key: str = "profile") -> None:
+    """Write the profile file and keep its top rows in the JSON under ``key``."""
     prof = r["profile"]
     title = (f"lmforge bench_gpu_mfu profile: {doc['device']}, the {r['strategy']} step "
              f"({r['precision']}, {r['how']}), batch {micro}x{args.accum}x{r['seq_len']}, "
-             f"after {args.warmup} warm-up and {args.steps} timed steps")
-    Path(args.profile).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.profile).write_text(format_profile(prof, title), encoding="utf-8")
-    doc["profile"] = {"file": args.profile, "strategy": r["strategy"], "kind": prof["kind"],
-                      "steps": prof["steps"], "top": prof["top"]}
-    print(f"[{r['strategy']}] profile ({prof['kind']}, {prof['steps']} steps): {args.profile}; "
+             f"after {args.warmup} warm-up and {args.steps} timed steps; timed "
+             f"{r['step_ms_median']:.2f} ms a step")
+    path = profile_path(args, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(format_profile(prof, title), encoding="utf-8")
+    doc[key] = {"file": str(path), "strategy": r["strategy"], "kind": prof["kind"],
+                "steps": prof["steps"], "busy_ms_per_step": prof["busy_ms_per_step"],
+                "step_ms_median": r["step_ms_median"], "top": prof["top"]}
+    print(f"[{r['strategy']}] profile ({prof['kind']}, {prof['steps']} steps): {path}; busy "
+          f"{prof['busy_ms_per_step']:.2f} of {r['step_ms_median']:.2f} ms a step; "
           f"top: {prof['top'][0]['name'][:80] if prof['top'] else '-'}")
 
 

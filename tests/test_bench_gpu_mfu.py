@@ -75,11 +75,45 @@ for iter_num in range(int(args["max_iters"]) + 1):
     print(f"iter {iter_num}: loss {6.25:.4f}, time {dt*1000:.2f}ms, mfu {running_mfu*100:.2f}%")
 """
 
+# model.py's interface as the in-process profile uses it (GPTConfig, GPT(config) returning
+# (logits, loss) for (idx, targets), configure_optimizers), on a one-layer stand-in.
+FAKE_MODEL = """\
+from dataclasses import dataclass
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def forward(self, idx, targets=None):
+        logits = self.lm_head(self.wte(idx))
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        return torch.optim.AdamW(self.parameters(), lr=learning_rate, betas=betas,
+                                 weight_decay=weight_decay)
+"""
+
 
 def fake_nanogpt(root: Path) -> Path:
     root.mkdir(parents=True)
     (root / "train.py").write_text(FAKE_TRAIN)
-    (root / "model.py").write_text("")
+    (root / "model.py").write_text(FAKE_MODEL)
     (root / "configurator.py").write_text("")
     (root / "COMMIT").write_text("0123456789abcdef\n")
     return root
@@ -233,6 +267,12 @@ def test_cpu_run_of_the_whole_check_writes_every_figure(tmp_path):
     profile = (out / "profile.txt").read_text()
     assert "the plain step" in profile and "top " in profile and "CPU ops" in profile
     assert len(re.findall(r"^ +\d+ +[\d.]+ +[\d.]+% +\d+ +\S", profile, re.M)) == 15
+    # Every strategy profiled, and nanoGPT's model.py stepped in this process beside it.
+    assert "the fsdp step" in (out / "profile_fsdp.txt").read_text()
+    assert "nanoGPT model.py in-process" in (out / "profile_nanogpt.txt").read_text()
+    for key in ("profile", "profile_fsdp", "profile_nanogpt"):
+        assert 0 < doc[key]["busy_ms_per_step"], key
+    assert doc["profile_nanogpt"]["tok_s"] > 0
 
 
 def check_document(doc: dict, plain_tok_s: float) -> None:
@@ -255,7 +295,8 @@ def check_document(doc: dict, plain_tok_s: float) -> None:
     assert doc["ratios"]["fsdp_over_plain"] == pytest.approx(
         doc["fsdp"]["tok_s"] / doc["plain"]["tok_s"])
     assert doc["profile"]["strategy"] == "plain" and len(doc["profile"]["top"]) == 15
-    assert set(doc["phases_s"]) == {"plain", "fsdp", "nanogpt"}
+    assert set(doc["phases_s"]) == {"plain", "fsdp", "nanogpt", "profile_nanogpt"}
+    assert doc["profile_fsdp"]["strategy"] == "fsdp"
 
 
 def test_a_failing_part_is_recorded_and_the_others_kept(tmp_path):

@@ -381,6 +381,13 @@ class Llama(nn.Module):
                 x = block(x, cos, sin, cache, mask)
         if cache is not None:
             cache.pos += T
+        return self.output(x, targets)
+
+    def output(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+               ) -> torch.Tensor | tuple[torch.Tensor | None, torch.Tensor]:
+        """What follows the blocks: the final norm, the head and, given ``targets``, the
+        loss (``forward``'s return). A method of its own so that a sharded model, whose
+        root runs eager, compiles it alone (lmforge.train.fsdp)."""
         x = self.norm(x)
         if targets is not None and self.fused_loss:  # True (chunked) or LIGER
             head = compute_weight(self.lm_head.weight, x)  # a 16-bit frozen head: see frozen.py

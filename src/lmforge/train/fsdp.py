@@ -47,7 +47,14 @@ def ensure_process_group(env: DistEnv) -> None:
 
 
 def shard_model(model: Llama, env: DistEnv, bf16: bool, compile_blocks: bool = False) -> Llama:
-    """``fully_shard`` each block, then the root, over all ranks (in place)."""
+    """``fully_shard`` each block, then the root, over all ranks (in place).
+
+    With ``compile_blocks`` each block is compiled, and so is ``Llama.output`` (final
+    norm, head, loss), which would otherwise run eager in the root's forward: the plain
+    loss then fuses as in the compiled plain step. A block frees its gathered weights
+    after its forward (``reshard_after_forward``) only where that saves memory: with
+    more than one rank, and not the last block, whose backward comes next (torchtitan's
+    default); on one rank the gathered copy is the whole weight anyway."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -56,10 +63,13 @@ def shard_model(model: Llama, env: DistEnv, bf16: bool, compile_blocks: bool = F
               if bf16 and env.device.type == "cuda" else MixedPrecisionPolicy())
     if compile_blocks:
         before_compile()
-    for block in model.layers:
+        model.output = torch.compile(model.output)  # type: ignore[method-assign]
+    last = len(model.layers) - 1
+    for i, block in enumerate(model.layers):
         if compile_blocks:
             block.compile()
-        fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy,
+                    reshard_after_forward=env.world_size > 1 and i < last)
     # The root holds the embeddings, the final norm and the head (tied or not).
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model

@@ -150,9 +150,9 @@ def _set_up(params: Params, vocab: int, data: TrainData, checkpoint_dir: Path,
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model, start_note = build_model(params, vocab, env, bf16, compile_blocks, tokenizer_sha256)
     if data.objective is None:  # the loss of targets (DPO's objective scores the logits)
-        # train.fused_loss: auto probes on CUDA; the loss of a sharded step runs eager.
+        # train.fused_loss: auto probes on CUDA; a sharded step compiles its loss too.
         model.fused_loss = fused_loss_for_run(cfg, mcfg, model, precision, env,
-                                              compile_blocks and cfg.strategy != "fsdp",
+                                              compile_blocks,
                                               cfg.micro_batch_size, log)
     # After sharding: an optimizer built before would hold the unsharded parameters.
     optimizer = build_optimizer(model, cfg, device, log, env.distributed)
