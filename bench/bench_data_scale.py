@@ -1,11 +1,14 @@
 """The data stages at scale: demo corpus x1 and x10, on the local pool vs Ray, same 2 CPUs.
 
-ingest -> filter -> dedup -> mix -> shards run in-process (the ``run_*`` functions the
-stages call, params.yaml's settings, ``num_workers`` 2), each (corpus, executor) in a
-fresh Python process: ``local`` = the process pool of 2, ``ray`` = ``ray.init(num_cpus=2)``
-started by that process (start-up and two warm-up tasks not counted), then one Ray task
-per part. ``--rounds`` runs of each, interleaved (local, ray, ray, local, ...): the best
-wall time and the largest memory figure are reported, as the cores are shared and noisy.
+ingest -> filter -> dedup -> decontam -> mix -> shards run in-process (the ``run_*``
+functions the stages call, params.yaml's settings, ``num_workers`` 2), each (corpus,
+executor) in a fresh Python process: ``local`` = the process pool of 2, ``ray`` =
+``ray.init(num_cpus=2)`` started by that process (start-up and two warm-up tasks not
+counted), then one Ray task per part. ``--rounds`` runs of each, interleaved (local, ray,
+ray, local, ...): the best wall time and the largest memory figure are reported, as the
+cores are shared and noisy. One more Ray run per corpus (``ray-traced``, not timed)
+traces the driver's Python heap. ``--baseline REV`` adds the Ray runs of revision REV's
+``src/`` (``ray@base``), so a change is measured against what it replaces in one run.
 
 The x10 corpus (built once under ``--work``) repeats every demo document as 10 copies
 with new ids: copy 0 as it was; of the others (seeded), 15 % exact copies, 70 % near
@@ -14,16 +17,18 @@ dropped, swapped or inserted) and 15 % far copies (a quarter of the words replac
 of the lines dropped: below the LSH threshold, so dedup keeps them).
 
 Printed (and written with ``--out``): wall seconds per stage and ray/local throughput
-(local seconds / ray seconds; target >= 0.8 at x10); peak memory per worker at x1 vs x10
-(should stay flat): the kernel's VmHWM of the pool's children or of the ``ray::`` worker
-processes (reset per stage via /proc/PID/clear_refs), and the anonymous memory the
-stage's tasks added (RssAnon sampled every 0.05 s, less its value at the fork or the
-stage's start); the driver's own peak RSS per stage; input MB/s/core and docs/s/core per
-stage at x10 on the local pool; the pickled bytes of the tasks and results (what Ray's
-object store and RPCs carry); the mix driver's heap per document and its bucket files;
-whether every run's output tree is byte-identical to local's.
+(local seconds / ray seconds; target >= 0.8 at x10; ray/base against the baseline); peak
+memory per worker at x1 vs x10 (should stay flat): the kernel's VmHWM of the pool's
+children or of the ``ray::`` worker processes (reset per stage via /proc/PID/clear_refs),
+and the anonymous memory the stage's tasks added (RssAnon sampled every 0.05 s, less its
+value at the fork or the stage's start); the driver's memory per stage at x1 and x10 and
+what it adds per document (its RSS; in the traced run its Python heap and Arrow's pool):
+a driver that holds per-part bookkeeping only adds ~0 B/doc; input MB/s/core and
+docs/s/core per stage at x10 on the local pool; the pickled bytes of the tasks and results
+(what Ray's object store and RPCs carry); the mix driver's heap per document and its
+bucket files; whether every run's output tree is byte-identical to local's.
 
-    .venv/bin/python bench/bench_data_scale.py [--copies 10] [--rounds 2]
+    .venv/bin/python bench/bench_data_scale.py [--copies 10] [--rounds 2] [--baseline REV]
         [--work /tmp/lmforge_scale] [--out scale.json] [--keep]
 """
 
@@ -47,10 +52,14 @@ from typing import Any
 
 from _common import DEMO, REPO
 
-STAGES = ("ingest", "filter", "dedup", "mix", "shards")
+STAGES = ("ingest", "filter", "dedup", "decontam", "mix", "shards")
 CORES = 2
+# The demo's tokenizer when `dvc repro` made it, else one trained by the first run (x1,
+# local) on its own mixed/train, with params.yaml's settings, and kept under --work.
 TOKENIZER = REPO / "models" / "tokenizer" / "tokenizer.model"
+ENV_TOKENIZER = "LMFORGE_BENCH_TOKENIZER"
 KINDS = ("local", "ray")
+TRACED = "ray-traced"  # one more Ray run per scale, its driver under tracemalloc (not timed)
 # Shares of the copies after the first: exact, near (the rest), far.
 EXACT, FAR = 0.15, 0.15
 _CJK = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
@@ -196,6 +205,7 @@ class Sampler(threading.Thread):
         self.kind: dict[int, bool] = {}  # pid -> is a worker
         self.pids: list[int] = []
         self.scanned = 0.0
+        self.driver_anon = self.driver_anon0 = self.driver_arrow = self.driver_arrow0 = 0
 
     def workers(self) -> list[int]:
         if self.ray and time.monotonic() - self.scanned < self.rescan:
@@ -215,6 +225,7 @@ class Sampler(threading.Thread):
         return found
 
     def sample(self) -> None:
+        self.sample_driver()
         for pid in self.workers():
             try:
                 hwm, anon = _status_kib(pid, "VmHWM:"), _status_kib(pid, "RssAnon:")
@@ -225,23 +236,39 @@ class Sampler(threading.Thread):
                 self.hwm[pid] = max(self.hwm.get(pid, 0), hwm)
                 self.anon[pid] = max(self.anon.get(pid, 0), anon)
 
+    def sample_driver(self) -> None:
+        """The driver's own anonymous RSS and Arrow's allocations (its memory pool holds
+        what tracemalloc cannot see), their largest values since :meth:`begin`."""
+        import pyarrow as pa
+
+        anon, arrow = _status_kib("self", "RssAnon:"), pa.total_allocated_bytes() // 1024
+        with self.lock:
+            self.driver_anon = max(self.driver_anon, anon)
+            self.driver_arrow = max(self.driver_arrow, arrow)
+
     def begin(self) -> None:
+        import pyarrow as pa
+
         self.scanned = 0.0
         for pid in self.workers():
             _reset_hwm(pid)
         with self.lock:
             self.hwm, self.anon, self.first = {}, {}, {}
+            self.driver_anon = self.driver_anon0 = _status_kib("self", "RssAnon:")
+            self.driver_arrow = self.driver_arrow0 = pa.total_allocated_bytes() // 1024
         self.sample()
 
     def end(self) -> dict[str, int]:
         """Largest worker VmHWM and anonymous growth in KiB, and workers seen, since
-        :meth:`begin`."""
+        :meth:`begin`; the driver's anonymous RSS and Arrow allocations grown since then."""
         self.sample()
         with self.lock:
             return {"worker_peak_kib": max(self.hwm.values(), default=0),
                     "worker_growth_kib": max((a - self.first[p] for p, a in self.anon.items()),
                                              default=0),
-                    "workers_seen": len(self.hwm)}
+                    "workers_seen": len(self.hwm),
+                    "driver_anon_growth_kib": self.driver_anon - self.driver_anon0,
+                    "driver_arrow_growth_kib": self.driver_arrow - self.driver_arrow0}
 
     def run(self) -> None:
         while True:
@@ -270,13 +297,37 @@ def _meter_executor() -> None:
     Executor.map = metered
 
 
+def eval_sets(params: Any) -> dict[str, str]:
+    """The decontam stage's evaluation sets (stages/decontam.py), as absolute paths: the
+    runs work elsewhere than the repository."""
+    sys.path.insert(0, str(REPO))
+    from stages.decontam import eval_sets as stage_sets
+
+    return {name: str(REPO / path) for name, path in stage_sets(params).items()}
+
+
+def train_tokenizer(cfg: Any, path: Path) -> None:
+    """Train the tokenizer stage's model on this run's data/mixed, into ``path``."""
+    from lmforge.io import atomic_path
+    from lmforge.tokenizer.build import build_tokenizer
+
+    build_tokenizer("data/mixed/train", "data/mixed/val", "tokenizer", cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        shutil.copyfile(Path("tokenizer") / path.name, tmp)
+    shutil.rmtree("tokenizer")
+
+
 def run_child(kind: str, corpus: Path, root: Path, out: Path) -> None:
-    """Run the five stages on ``corpus`` into ``root``/data with ``kind``; figures to ``out``."""
+    """Run the six stages on ``corpus`` into ``root``/data with ``kind``; figures to
+    ``out``. ``ray-traced`` also traces the driver's Python heap (tracemalloc: slower, so
+    that run is not timed)."""
     from lmforge.config import ExecutorConfig, SourceConfig, load_params
+    from lmforge.data.decontam import run_decontam
     from lmforge.data.dedup import run_dedup
     from lmforge.data.filtering import run_filter
     from lmforge.data.ingest import run_ingest
-    from lmforge.data.mix import run_mix
+    from lmforge.data.mix import run_mix, val_ids
     from lmforge.executor import LocalExecutor, RayExecutor
     from lmforge.shards.build import build_shards
 
@@ -284,11 +335,13 @@ def run_child(kind: str, corpus: Path, root: Path, out: Path) -> None:
     params = load_params(REPO / "params.yaml")
     params.ingest.sources = [SourceConfig(path=str(corpus / s.domain / "*.jsonl.gz"),
                                           domain=s.domain) for s in params.ingest.sources]
-    for section in ("ingest", "filter", "dedup", "mix", "shards"):
+    for section in ("ingest", "filter", "dedup", "decontam", "mix", "shards"):
         getattr(params, section).num_workers = CORES
+    sets = eval_sets(params)
     figures: dict[str, Any] = {"kind": kind, "stages": {}}
+    on_ray = kind.startswith("ray")
     t0 = time.perf_counter()
-    if kind == "ray":
+    if on_ray:
         import ray
 
         ray.init(num_cpus=CORES, include_dashboard=False, log_to_driver=False,
@@ -304,30 +357,52 @@ def run_child(kind: str, corpus: Path, root: Path, out: Path) -> None:
         executor = LocalExecutor(CORES)
     figures["startup_s"] = round(time.perf_counter() - t0, 2)
     _meter_executor()
-    sampler = Sampler(kind == "ray")
+    sampler = Sampler(on_ray)
     sampler.start()
+
+    def decontam() -> dict[str, Any]:  # as stages/decontam.py: mix's val ids, then the scan
+        held_out = val_ids(params.mix, "data/deduped", executor)
+        return run_decontam(params.decontam, sets, "data/deduped", "data/decontam", executor,
+                            held_out)
+
     steps = {
         "ingest": lambda: run_ingest(params.ingest, "data/ingested", executor),
         "filter": lambda: run_filter(params.filter, "data/ingested", "data/filtered", {},
                                      executor),
         "dedup": lambda: run_dedup(params.dedup, "data/filtered", "data/deduped", executor),
-        "mix": lambda: run_mix(params.mix, "data/deduped", "data/mixed", executor),
-        "shards": lambda: build_shards("data/mixed", TOKENIZER, "data/shards", params.shards,
+        "decontam": decontam,
+        "mix": lambda: run_mix(params.mix, "data/decontam", "data/mixed", executor),
+        "shards": lambda: build_shards("data/mixed", tokenizer, "data/shards", params.shards,
                                        executor=executor),
     }
+    tokenizer = Path(os.environ.get(ENV_TOKENIZER, TOKENIZER))
+    traced = kind == TRACED
+    if traced:
+        import tracemalloc
+
+        tracemalloc.start()
     for stage in STAGES:
+        if stage == "shards" and not tokenizer.is_file():  # not part of the measured stage
+            train_tokenizer(params.tokenizer, tokenizer)
         METER.update(tasks=0, task_bytes=0, result_bytes=0)
         sampler.begin()
         _reset_hwm("self")
+        rss0 = _status_kib("self", "VmRSS:")
+        if traced:
+            tracemalloc.reset_peak()
+            heap0 = tracemalloc.get_traced_memory()[0]
         start = time.perf_counter()
         metrics = steps[stage]()
         wall = time.perf_counter() - start
+        heap = {"driver_heap_growth_kib": (tracemalloc.get_traced_memory()[1] - heap0) // 1024
+                } if traced else {}
         figures["stages"][stage] = {
-            "wall_s": round(wall, 3), **sampler.end(),
-            "driver_peak_kib": _status_kib("self", "VmHWM:"), **METER,
+            "wall_s": round(wall, 3), **sampler.end(), **heap,
+            "driver_peak_kib": _status_kib("self", "VmHWM:"),
+            "driver_growth_kib": _status_kib("self", "VmHWM:") - rss0, **METER,
             "metrics": {k: metrics[k] for k in ("total", "exact_dups", "near_dups", "clusters")
                         if k in metrics}}
-    if kind == "ray":
+    if on_ray:
         import ray
 
         ray.shutdown()
@@ -336,7 +411,7 @@ def run_child(kind: str, corpus: Path, root: Path, out: Path) -> None:
 
 # ------------------------------------------------------------------ the parent
 
-OUTPUTS = ("ingested", "filtered", "deduped", "mixed", "shards")  # each stage's output dir
+OUTPUTS = ("ingested", "filtered", "deduped", "decontam", "mixed", "shards")  # each stage's output dir
 
 
 def text_size(path: Path, stage: str) -> tuple[int, int, int]:
@@ -409,18 +484,38 @@ def mix_driver(deduped: Path) -> dict[str, Any]:
             "in_parts": len(parts), "out_parts": out_parts, "bucket_files": buckets}
 
 
-def driver_rates(ingested: Path, out: Path) -> dict[str, float]:
-    """What the serial driver steps do on one core, on their own: ingest's loop (every
+def driver_rates(ingested: Path, out: Path) -> dict[str, Any]:
+    """What the serial driver steps do on one core, on their own: ingest's old loop (every
     row of every file read back, ids checked against those seen, written into parts; best
-    of 2) over ``ingested``, and dedup's exact grouping + union-find on 4 M synthetic
-    documents (the recipe of the dedup module's docstring)."""
+    of 2) over ``ingested`` while the code has it, and dedup's exact grouping + union-find
+    on 4 M synthetic documents (the recipe of the dedup module's docstring)."""
     import numpy as np
-    import pyarrow as pa
 
     from lmforge.data import dedup
-    from lmforge.data.ingest import drop_duplicate_ids
+
+    rates: dict[str, Any] = ingest_driver_rate(ingested, out)
+    n = 4_000_000
+    rng = np.random.default_rng(0)
+    keys = rng.integers(0, 2**63, (n, 2), dtype=np.uint64)
+    keys[1::5] = keys[::5][: len(keys[1::5])]
+    edges = rng.integers(0, n, (n // 10, 2))
+    t = time.perf_counter()
+    parent = dedup.exact_groups(keys)
+    dedup.union(parent, edges[:, 0], edges[:, 1])
+    dedup.compress(parent)
+    rates["dedup_driver_ns_per_doc"] = round((time.perf_counter() - t) / n * 1e9, 1)
+    return rates
+
+
+def ingest_driver_rate(ingested: Path, out: Path) -> dict[str, Any]:
+    """Ingest's old driver loop alone (best of 2), or nothing once ingest has no such loop."""
+    import pyarrow as pa
+
+    from lmforge.data import ingest
     from lmforge.data.records import PartWriter, iter_batches
 
+    if not hasattr(ingest, "drop_duplicate_ids"):
+        return {}
     files = sorted(ingested.glob("part-*.parquet"))
     best = float("inf")
     for _ in range(2):
@@ -431,21 +526,21 @@ def driver_rates(ingested: Path, out: Path) -> dict[str, float]:
         parts = PartWriter(out, 500)
         for f in files:
             for batch in iter_batches(f):
-                parts.add(drop_duplicate_ids(pa.Table.from_batches([batch]), seen)[0])
+                parts.add(ingest.drop_duplicate_ids(pa.Table.from_batches([batch]), seen)[0])
         parts.close()
         best = min(best, time.perf_counter() - t)
     shutil.rmtree(out, ignore_errors=True)
-    n = 4_000_000
-    rng = np.random.default_rng(0)
-    keys = rng.integers(0, 2**63, (n, 2), dtype=np.uint64)
-    keys[1::5] = keys[::5][: len(keys[1::5])]
-    edges = rng.integers(0, n, (n // 10, 2))
-    t = time.perf_counter()
-    parent = dedup.exact_groups(keys)
-    dedup.union(parent, edges[:, 0], edges[:, 1])
-    dedup.compress(parent)
-    return {"ingest_driver_s": round(best, 3), "ingest_driver_docs": len(seen),
-            "dedup_driver_ns_per_doc": round((time.perf_counter() - t) / n * 1e9, 1)}
+    return {"ingest_driver_s": round(best, 3), "ingest_driver_docs": len(seen)}
+
+
+def checkout_src(rev: str, where: Path) -> Path:
+    """``src/`` of git revision ``rev``, extracted under ``where`` (its PYTHONPATH)."""
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "src"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
+    return where / "src"
 
 
 def load() -> str:
@@ -461,6 +556,9 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/lmforge_scale"))
     ap.add_argument("--out", type=Path)
     ap.add_argument("--keep", action="store_true", help="keep the runs' output trees")
+    ap.add_argument("--baseline", metavar="REV",
+                    help="also run the Ray executor on src/ of git revision REV (kinds "
+                         "ray@base, ray-traced@base): ratios against it, outputs compared")
     ap.add_argument("--child", nargs=4, metavar=("KIND", "CORPUS", "ROOT", "OUT"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -477,18 +575,28 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("LMFORGE_EXECUTOR", None)
     env.pop("RAY_ADDRESS", None)  # the run starts its own 2-CPU Ray
-    runs: dict[int, dict[str, list]] = {s: {k: [] for k in KINDS} for s in (1, n)}
+    if not TOKENIZER.is_file():
+        env[ENV_TOKENIZER] = str(work / "tokenizer" / TOKENIZER.name)
+    kinds, traced = list(KINDS), [TRACED]
+    envs = {k: env for k in (*KINDS, TRACED)}
+    if args.baseline:
+        base = checkout_src(args.baseline, work / "base")
+        for k in ("ray", TRACED):
+            envs[f"{k}@base"] = {**env, "PYTHONPATH": str(base)}
+        kinds.append("ray@base")
+        traced.append(f"{TRACED}@base")
+    runs: dict[int, dict[str, list]] = {s: {k: [] for k in kinds + traced} for s in (1, n)}
     for scale in (1, n):
         for r in range(args.rounds):
-            for kind in KINDS if r % 2 == 0 else KINDS[::-1]:
+            for kind in (kinds if r % 2 == 0 else kinds[::-1]) + (traced if r == 0 else []):
                 root = work / f"x{scale}" / kind / f"r{r}"
                 shutil.rmtree(root, ignore_errors=True)
                 root.mkdir(parents=True)
                 t = time.perf_counter()
                 with open(root / "log.txt", "w") as log:
-                    subprocess.run([sys.executable, __file__, "--child", kind,
+                    subprocess.run([sys.executable, __file__, "--child", kind.split("@")[0],
                                     str(corpora[scale]), str(root), str(root / "figures.json")],
-                                   env=env, stdout=log, stderr=log, check=True)
+                                   env=envs[kind], stdout=log, stderr=log, check=True)
                 runs[scale][kind].append(json.loads((root / "figures.json").read_text()))
                 walls = " ".join(f"{s} {runs[scale][kind][-1]['stages'][s]['wall_s']:.1f}"
                                  for s in STAGES)
@@ -499,14 +607,15 @@ def main() -> None:
     inputs = {s: {st: text_size(corpora[s] if st == "ingest" else ref[s] / src, st)
                   for st, src in zip(STAGES, ("", *OUTPUTS[:-1]), strict=True)} for s in (1, n)}
     differ = {s: {f"{k}/r{r}": compare_trees(ref[s], work / f"x{s}" / k / f"r{r}" / "data")
-                  for k in KINDS for r in range(args.rounds) if (k, r) != ("local", 0)}
+                  for k, rounds in runs[s].items() for r in range(len(rounds))
+                  if (k, r) != ("local", 0)}
               for s in (1, n)}
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     clusters = pq.read_table(ref[n] / "deduped" / "clusters.parquet", columns=["id", "domain"])
     report = {
-        "copies": n, "cores": CORES, "rounds": args.rounds, "load_start": load_start,
+        "copies": n, "cores": CORES, "rounds": args.rounds, "baseline": args.baseline, "load_start": load_start,
         "load_end": load(), "runs": runs,
         "inputs": {s: dict(v) for s, v in inputs.items()},
         "outputs_bytes": {s: {st: tree_bytes(ref[s] / o) for st, o in zip(STAGES, OUTPUTS,
@@ -514,7 +623,7 @@ def main() -> None:
                           for s in (1, n)},
         "files": {s: sum(1 for p in ref[s].rglob("*") if p.is_file()) for s in (1, n)},
         "differ": differ,
-        "mix_driver": {s: mix_driver(ref[s] / "deduped") for s in (1, n)},
+        "mix_driver": {s: mix_driver(ref[s] / "decontam") for s in (1, n)},
         "driver_rates": driver_rates(ref[n] / "ingested", work / "driver_probe"),
         "dedup_id_domain_bytes_per_doc": round(
             sum(pc.sum(pc.binary_length(clusters.column(c))).as_py() + 4 * len(clusters)
@@ -527,6 +636,30 @@ def main() -> None:
     if not args.keep:
         for scale in (1, n):
             shutil.rmtree(work / f"x{scale}", ignore_errors=True)
+
+
+def print_driver(r: dict[str, Any], n: int) -> None:
+    """The driver's memory per stage at x1 and xN, and what it adds per document: the
+    stages whose driver is O(documents) show a slope that does not fall with N."""
+    runs, inputs = r["runs"], r["inputs"]
+    measures = [(k, "driver_growth_kib", "RSS") for k in runs[n] if "traced" not in k]
+    measures += [(k, key, name) for k in runs[n] if "traced" in k
+                 for key, name in (("driver_heap_growth_kib", "py heap"),
+                                   ("driver_arrow_growth_kib", "arrow"))]
+    print(f"\ndriver memory per stage, MiB at x1 -> x{n}, and B/doc = (x{n} - x1) / (docs "
+          f"x{n} - docs x1): RSS = peak VmHWM less VmRSS at the stage's start (allocator reuse "
+          "hides some); py heap = tracemalloc's peak (Python + numpy), arrow = Arrow's pool, "
+          "in the traced run")
+    print(f"{'stage':8s} " + " | ".join(f"{f'{k} {name}':>24s}" for k, _, name in measures))
+    for stage in STAGES:
+        d1, dn = inputs[1][stage][0], inputs[n][stage][0]
+        cells = []
+        for kind, key, _ in measures:
+            a = max(f["stages"][stage].get(key, 0) for f in runs[1][kind]) / 1024
+            b = max(f["stages"][stage].get(key, 0) for f in runs[n][kind]) / 1024
+            per_doc = (b - a) * 2**20 / max(dn - d1, 1)
+            cells.append(f"{a:6.1f} {b:6.1f} {per_doc:6.0f} B/d")
+        print(f"{stage:8s} " + " | ".join(f"{c:>24s}" for c in cells))
 
 
 def print_report(r: dict[str, Any], n: int) -> None:
@@ -543,19 +676,24 @@ def print_report(r: dict[str, Any], n: int) -> None:
         return max(f["stages"][stage][key] for f in runs[scale][kind]) / 1024
 
     startup = max(f["startup_s"] for f in runs[n]["ray"])
+    based = "ray@base" in runs[n]
     print(f"\nwall seconds, {CORES} CPUs, best of {r['rounds']} interleaved rounds (load average "
           f"{r['load_start']} -> {r['load_end']}; Ray start-up up to {startup} s, not counted)")
     print(f"{'stage':8s} {'x1 local':>9s} {'x1 ray':>8s} {'ray/local':>9s} "
-          f"{f'x{n} local':>9s} {f'x{n} ray':>8s} {'ray/local':>9s}")
+          f"{f'x{n} local':>9s} {f'x{n} ray':>8s} {'ray/local':>9s}"
+          + (f" {f'x{n} base':>9s} {'ray/base':>8s}" if based else ""))
     for stage in (*STAGES, None):
         a, b = best(1, "local", stage), best(1, "ray", stage)
         c, d = best(n, "local", stage), best(n, "ray", stage)
+        e = best(n, "ray@base", stage) if based else 0.0
         print(f"{stage or 'overall':8s} {a:9.1f} {b:8.1f} {a / b:9.2f} {c:9.1f} {d:8.1f} "
-              f"{c / d:9.2f}")
+              f"{c / d:9.2f}" + (f" {e:9.1f} {e / d:8.2f}" if based else ""))
     print(f"ray/local: local seconds / ray seconds, i.e. Ray's throughput against the pool's "
-          f"(target >= 0.8 at x{n}). Overall per round:")
+          f"(target >= 0.8 at x{n})" + ("; ray/base: the baseline revision's Ray seconds / "
+                                        f"this tree's ({r['baseline']})" if based else "")
+          + ". Overall per round:")
     for scale in (1, n):
-        for kind in KINDS:
+        for kind in runs[scale]:
             walls = [sum(s["wall_s"] for s in f["stages"].values()) for f in runs[scale][kind]]
             print(f"  x{scale} {kind}: " + " ".join(f"{w:.1f}" for w in walls))
 
@@ -575,13 +713,7 @@ def print_report(r: dict[str, Any], n: int) -> None:
               f"{big[0]:7.1f} {big[1]:8.1f}")
     print("(VmHWM: the kernel's peak RSS; grow: peak RssAnon less that at the fork / stage start."
           " A task's memory follows the largest file or part it is given, not the corpus)")
-    print(f"\ndriver's own peak RSS, MiB (VmHWM reset at each stage's start), x1 -> x{n}")
-    print(f"{'stage':8s} {'local x1':>9s} {f'x{n}':>6s} {'ray x1':>7s} {f'x{n}':>6s}")
-    for stage in STAGES:
-        print(f"{stage:8s} {peak(1, 'local', stage, 'driver_peak_kib'):9.0f} "
-              f"{peak(n, 'local', stage, 'driver_peak_kib'):6.0f} "
-              f"{peak(1, 'ray', stage, 'driver_peak_kib'):7.0f} "
-              f"{peak(n, 'ray', stage, 'driver_peak_kib'):6.0f}")
+    print_driver(r, n)
 
     print(f"\nper-core throughput at x{n}, local pool of {CORES} (input text of each stage; "
           "best round), and what crosses the executor (pickled tasks + results)")
@@ -616,10 +748,12 @@ def print_report(r: dict[str, Any], n: int) -> None:
               f"{mm['out_parts']} out)")
     dr = r["driver_rates"]
     mb = inputs[n]["ingest"][1] / 1e6
-    print(f"ingest driver alone (one core): {mb / dr['ingest_driver_s']:.0f} MB/s of text, "
-          f"{dr['ingest_driver_docs'] / dr['ingest_driver_s']:.0f} docs/s (every row passes "
-          f"through it), i.e. {mb / dr['ingest_driver_s'] / (mb / best(n, 'local', 'ingest') / CORES):.1f} "
-          "cores of ingest workers")
+    if "ingest_driver_s" in dr:
+        print(f"ingest driver alone (one core): {mb / dr['ingest_driver_s']:.0f} MB/s of text, "
+              f"{dr['ingest_driver_docs'] / dr['ingest_driver_s']:.0f} docs/s (every row passes "
+              f"through it), i.e. "
+              f"{mb / dr['ingest_driver_s'] / (mb / best(n, 'local', 'ingest') / CORES):.1f} "
+              "cores of ingest workers")
     print(f"dedup driver: ids + domains {r['dedup_id_domain_bytes_per_doc']} B/doc (Arrow), on "
           f"top of the module docstring's figures; exact grouping + union-find "
           f"{dr['dedup_driver_ns_per_doc']:.0f} ns/doc")
