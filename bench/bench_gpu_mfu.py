@@ -52,6 +52,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -456,21 +457,21 @@ def profile_nanogpt(args: argparse.Namespace, device: torch.device, shape: dict,
                for _ in range(4)]
     batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]
 
-    class _Step:  # what profile_step runs: train.py's iteration, accumulation 1
-        calls = 0
+    calls = [0]
 
-        def run(self, _loader: Any) -> float:
-            x, y = batches[self.calls % len(batches)]
-            self.calls += 1
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                _, loss = step_model(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(gpt.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return loss.item()  # train.py's lossf: one sync an iteration
+    def run(_loader: Any) -> float:
+        """train.py's iteration (accumulation 1), what profile_step runs."""
+        x, y = batches[calls[0] % len(batches)]
+        calls[0] += 1
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            _, loss = step_model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(gpt.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()  # train.py's lossf: one sync an iteration
 
-    step = _Step()
+    step = SimpleNamespace(run=run)
     for _ in range(args.warmup):
         step.run(None)
     times, _ = time_steps(step, None, args.steps, device)  # type: ignore[arg-type]
@@ -480,7 +481,6 @@ def profile_nanogpt(args: argparse.Namespace, device: torch.device, shape: dict,
              f"{precision}, {'compiled' if compiled else 'eager'}; timed {ms:.2f} ms a step")
     path = profile_path(args, "profile_nanogpt")
     path.write_text(format_profile(prof, title), encoding="utf-8")
-    del step_model, gpt, optimizer, batches, windows
     return {"file": str(path), "step_ms_median": ms,
             "tok_s": micro * shape["seq_len"] / (ms / 1000),
             "busy_ms_per_step": prof["busy_ms_per_step"], "top": prof["top"]}

@@ -271,7 +271,7 @@ def test_cpu_run_of_the_whole_check_writes_every_figure(tmp_path):
     assert "the fsdp step" in (out / "profile_fsdp.txt").read_text()
     assert "nanoGPT model.py in-process" in (out / "profile_nanogpt.txt").read_text()
     for key in ("profile", "profile_fsdp", "profile_nanogpt"):
-        assert 0 < doc[key]["busy_ms_per_step"], key
+        assert doc[key]["busy_ms_per_step"] > 0, key
     assert doc["profile_nanogpt"]["tok_s"] > 0
 
 

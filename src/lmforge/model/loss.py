@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from lmforge.model import loss_kernel
+
 IGNORE_INDEX = -100
 # Llama.fused_loss names the head's loss path: True, this module's chunked op; False, the
 # plain logits and cross_entropy; LIGER, Liger-Kernel's fused linear cross-entropy.
@@ -35,15 +37,21 @@ LIGER = "liger"
 # 2.62 / 3.00 s in the 21-token chunks of the L2-sized 2^20 budget this replaced,
 # 0.84 / 1.39 s in 2 x 512 tokens, 1.23 / 1.48 s for the plain logits; the demo's 8k,
 # 4096 tokens, 0.43 / 0.44 s in 128-token chunks, 0.36 / 0.41 s in 512-token ones. On a
-# GPU large chunks keep the kernel count low.
+# GPU large chunks keep the kernel count low. With the Triton kernel (loss_kernel.py)
+# a chunk's logits stay 16-bit and are never copied, so it takes 4x the logits (0.5 GB
+# in bf16): wider matmuls, and fewer whole V x d fp32 sums into the head's gradient
+# (four chunks for GPT-2 small's 16 x 1024 tokens at vocab 50,304, not 13).
 CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
+KERNEL_CHUNK_ELEMENTS = 1 << 28
 MIN_CHUNK_TOKENS = 512
 
 
-def default_chunk_tokens(vocab: int, device: str) -> int:
+def default_chunk_tokens(vocab: int, device: str, kernel: bool = False) -> int:
     """Most tokens in one chunk of the fused loss over a ``vocab``-sized head on
-    ``device`` ("cpu", "cuda", ...; any other takes CUDA's budget)."""
-    budget = CHUNK_ELEMENTS.get(device, CHUNK_ELEMENTS["cuda"])
+    ``device`` ("cpu", "cuda", ...; any other takes CUDA's budget); ``kernel``: with
+    the Triton kernel of loss_kernel.py."""
+    budget = (KERNEL_CHUNK_ELEMENTS if kernel
+              else CHUNK_ELEMENTS.get(device, CHUNK_ELEMENTS["cuda"]))
     return max(MIN_CHUNK_TOKENS, budget // vocab)
 
 
@@ -141,10 +149,12 @@ def _loss_and_grads(x: Tensor, weight: Tensor, targets: Tensor, smooth: float, z
     inv_count = 1.0 / count.clamp(min=1).float()
     safe_targets = torch.where(valid, targets, 0).unsqueeze(1)
     total = torch.zeros((), dtype=torch.float32, device=x.device)
+    # On CUDA one Triton kernel does a chunk's passes (loss_kernel.py); else aten ops.
+    one_chunk = _chunk_kernel if loss_kernel.available(x.device, dtype) else _chunk
     for start in range(0, x.size(0), chunk):
         rows = slice(start, start + chunk)
-        grad = _chunk(xd[rows], wd, safe_targets[rows], keep[rows], smooth, z_loss, total,
-                      want_x or want_w)
+        grad = one_chunk(xd[rows], wd, safe_targets[rows], keep[rows], smooth, z_loss, total,
+                         want_x or want_w)
         if grad is not None:
             _accumulate(grad, xd[rows], wd, dtype, grad_x[rows] if want_x else None, grad_w)
     # With no valid target the loss is NaN, as in F.cross_entropy.
@@ -184,6 +194,17 @@ def _chunk(xc: Tensor, wd: Tensor, tc: Tensor, kept: Tensor, smooth: float, z_lo
         grad.sub_((smooth / vocab) * kept.unsqueeze(1))
     grad.scatter_add_(1, tc, (-(1 - smooth) * kept).unsqueeze(1))
     return grad
+
+
+def _chunk_kernel(xc: Tensor, wd: Tensor, tc: Tensor, kept: Tensor, smooth: float,
+                  z_loss: float, total: Tensor, grads: bool) -> Tensor | None:
+    """:func:`_chunk` by one Triton kernel: the logits stay in the matmul's dtype and
+    their gradient (per token, in that dtype: the rounding ``_accumulate`` applies to
+    the fp32 one) is written in place of them."""
+    logits = torch.mm(xc, wd.t())
+    total += loss_kernel.row_losses_and_grads(logits, tc.squeeze(1), kept, smooth, z_loss,
+                                              grads).sum()
+    return logits if grads else None
 
 
 def _accumulate(grad: Tensor, xc: Tensor, wd: Tensor, dtype: torch.dtype,
@@ -257,7 +278,8 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     flat_x = x.reshape(-1, x.size(-1))
     flat_t = targets.reshape(-1)
     if chunk_tokens is None:
-        most = default_chunk_tokens(weight.size(0), x.device.type)
+        kernel = loss_kernel.available(x.device, _compute_dtype(x))
+        most = default_chunk_tokens(weight.size(0), x.device.type, kernel)
         chunk_tokens = balanced_chunk(flat_x.size(0), most)
     # Under no_grad / inference_mode the op still sees requires_grad inputs: decide
     # here, so evaluation pays for the loss only.

@@ -51,10 +51,15 @@ def shard_model(model: Llama, env: DistEnv, bf16: bool, compile_blocks: bool = F
 
     With ``compile_blocks`` each block is compiled, and so is ``Llama.output`` (final
     norm, head, loss), which would otherwise run eager in the root's forward: the plain
-    loss then fuses as in the compiled plain step. A block frees its gathered weights
-    after its forward (``reshard_after_forward``) only where that saves memory: with
-    more than one rank, and not the last block, whose backward comes next (torchtitan's
-    default); on one rank the gathered copy is the whole weight anyway."""
+    loss then fuses as in the compiled plain step.
+
+    Each block is its own FSDP unit only with more than one rank, where gathering block
+    by block bounds memory and overlaps the collectives with compute; a block frees its
+    gathered weights after its forward (``reshard_after_forward``) except the last,
+    whose backward comes next (torchtitan's default). On one rank there is nothing to
+    overlap and the gathered copy is the whole weight anyway, while each unit costs
+    host time in its hooks every step (on an H200, 12 units left the GPU idle 21 of
+    66 ms a step, issue 44): there the root is the only unit."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -68,8 +73,8 @@ def shard_model(model: Llama, env: DistEnv, bf16: bool, compile_blocks: bool = F
     for i, block in enumerate(model.layers):
         if compile_blocks:
             block.compile()
-        fully_shard(block, mesh=mesh, mp_policy=policy,
-                    reshard_after_forward=env.world_size > 1 and i < last)
+        if env.world_size > 1:
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < last)
     # The root holds the embeddings, the final norm and the head (tied or not).
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model

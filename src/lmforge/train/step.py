@@ -32,8 +32,11 @@ def optimizer_step(step_model: torch.nn.Module, ddp: DistributedDataParallel | N
     loss has parts (DPO with replay) gets each part's mean over the step, summed
     (``micro_share``).
 
-    A non-finite loss or grad norm skips the update. That test needs one host sync per
-    optimizer step; loss and grad norm travel in it, so logging costs nothing more.
+    A non-finite loss or grad norm skips the update. The host reads loss and grad norm
+    once per optimizer step (one sync; logging costs nothing more). Where the optimizer
+    can skip on the device (:func:`skips_on_device`: a fused AdamW on CUDA) the update is
+    queued first, with the guard's verdict as a device flag, and the host reads after:
+    the GPU then never idles while the host decides (issue 44: 4.4 ms of a 36 ms step).
     """
     objective = objective or NextToken()
     loss_sum, stat_sums = _accumulate(step_model, ddp, scaler, precision, loader, accum,
@@ -50,12 +53,38 @@ def optimizer_step(step_model: torch.nn.Module, ddp: DistributedDataParallel | N
             stats /= env.world_size
         if len(objective.stats):
             dist.all_reduce(stat_sums)  # sums over ranks
+    queued = skips_on_device(optimizer, scaler, env.device)
+    if queued:
+        step_unless_non_finite(optimizer, stats)
     loss_val, norm_val = stats.tolist()
-    if math.isfinite(loss_val) and (math.isfinite(norm_val) or scaler.is_enabled()):
+    if not queued and math.isfinite(loss_val) and (math.isfinite(norm_val)
+                                                   or scaler.is_enabled()):
         scaler.step(optimizer)  # with fp16, skips by itself when the grads overflowed
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return loss_val, norm_val, dict(zip(objective.stats, stat_sums.tolist(), strict=True))
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                    device: torch.device) -> bool:
+    """Whether the non-finite guard can skip the update on ``device`` without the host:
+    on CUDA, without a GradScaler (bf16/fp32), with an optimizer whose every group runs
+    torch's fused kernel, which takes GradScaler's ``found_inf`` flag and then changes
+    nothing, step counts included. (On a CPU the host reads the figures first, as
+    before: nothing runs ahead of the host there.)"""
+    return (device.type == "cuda" and not scaler.is_enabled()
+            and getattr(optimizer, "_step_supports_amp_scaling", False)
+            and all(group.get("fused") for group in optimizer.param_groups))
+
+
+def step_unless_non_finite(optimizer: torch.optim.Optimizer, stats: torch.Tensor) -> None:
+    """Queue ``optimizer.step()``, skipped by the fused kernel itself when any of
+    ``stats`` (the step's loss and grad norm) is not finite: no host sync."""
+    optimizer.found_inf = (~torch.isfinite(stats).all()).float()  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf  # type: ignore[attr-defined]
 
 
 def _accumulate(step_model: torch.nn.Module, ddp: DistributedDataParallel | None,
