@@ -12,7 +12,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH=src:/tmp/site
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu,memory.used --format=csv
-timeout 420 python3 bench/bench_gpu_mfu.py --all --out "$OUT" > "$OUT/run.log" 2>&1
+timeout 300 python3 bench/bench_gpu_mfu.py --all --out "$OUT" > "$OUT/run.log" 2>&1
 echo "check exit $?"
 grep -E '^\[|/ .* tokens/s|^total|fused_loss auto|FAILED|Error' "$OUT/run.log" | grep -v '^\[nanogpt\] iter'
 variant() {  # name, then bench_gpu_mfu.py arguments; skipped when the budget is spent
@@ -23,11 +23,13 @@ variant() {  # name, then bench_gpu_mfu.py arguments; skipped when the budget is
     | grep -E '^\[plain\]|^inductor|fused_loss auto|FAILED|Error|^ +[0-9]+ +[0-9.]+ +[0-9.]+%|^top '
 }
 {
-  variant chunked --fused-loss true --profile "$OUT/.chunked_profile.txt"
-  [ -f "$OUT/.chunked_profile.txt" ] && head -22 "$OUT/.chunked_profile.txt" && rm -f "$OUT/.chunked_profile.txt"
-  variant liger --fused-loss liger
-  variant reduce-overhead --compile-mode reduce-overhead
-  variant coordinate-descent --inductor coordinate_descent_tuning=True
+  echo "=== CUDA tests"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -n 0 tests/test_model_loss_kernel.py \
+    tests/test_train_step_device_skip.py tests/test_model_llama.py \
+    -k "cuda or gpu" 2>&1 | tail -4
+  variant plain-loss --fused-loss false
+  variant kernel-loss --fused-loss true --profile "$OUT/.kernel_profile.txt"
+  [ -f "$OUT/.kernel_profile.txt" ] && head -22 "$OUT/.kernel_profile.txt" && rm -f "$OUT/.kernel_profile.txt"
 } > "$OUT/variants.log" 2>&1
 cat "$OUT/variants.log"
 echo "session ${SECONDS}s"

@@ -98,3 +98,27 @@ def test_only_a_fused_optimizer_on_cuda_without_a_scaler_skips_on_the_device():
     assert not skips_on_device(torch.optim.SGD([p], lr=0.1), off, cuda)
     fp16 = torch.amp.GradScaler("cpu", enabled=True)  # fp16 keeps GradScaler's own skip
     assert not skips_on_device(fused, fp16, cuda)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_non_finite_step_is_skipped_by_the_kernel():
+    cuda = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
+    torch.manual_seed(0)
+    model = Llama(ModelConfig(n_layer=1, n_head=2, n_embd=16, seq_len=8), 32).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    prec = resolve_precision("bf16", cuda.device)
+    assert skips_on_device(opt, prec.grad_scaler(), cuda.device)
+    good = tuple(torch.randint(0, 32, (2, 2, 8), device="cuda"))
+    optimizer_step(model, None, model, opt, prec.grad_scaler(), prec, ListLoader([good]), 1,
+                   1.0, cuda)
+    before = state_of(model, opt)
+    with torch.no_grad():
+        model.tok_embeddings.weight[5] = float("nan")
+    x = torch.full((2, 8), 5, device="cuda")
+    loss, _, _ = optimizer_step(model, None, model, opt, prec.grad_scaler(), prec,
+                                ListLoader([(x, x)]), 1, 1.0, cuda)
+    assert not math.isfinite(loss)
+    after = state_of(model, opt)
+    with torch.no_grad():
+        after[0][5] = before[0][5]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
