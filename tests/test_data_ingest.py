@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import gzip
 import json
+import pickle
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+from files import tree
 
 from lmforge.config import IngestConfig, SourceConfig
 from lmforge.data import readers
 from lmforge.data.ingest import run_ingest
 from lmforge.errors import InputError
+from lmforge.executor import LocalExecutor
 
 GOOD = "A perfectly ordinary document about rivers and mountains."
 
@@ -337,3 +341,104 @@ def test_a_json_file_of_lines_is_still_json_lines(tmp_path):
     _jsonl(tmp_path / "lines.json", [{"id": "x", "text": GOOD}, {"id": "y", "text": GOOD + "!"}])
     _, docs, _ = _ingest(tmp_path, SourceConfig(str(tmp_path / "lines.json"), "en"))
     assert docs.column("id").to_pylist() == ["x", "y"]
+
+
+def _dup_corpus(root: Path, docs_per_file: int = 7) -> SourceConfig:
+    """Three files whose first 7 ids repeat within a file and across files, with a
+    broken line each: ``(7k + i) mod 10`` for record i < 7 of file k, ``k/i`` after."""
+    for k in range(3):
+        rows = [{"id": f"{(7 * k + i) % 10}" if i < 7 else f"{k}/{i}", "text": f"{GOOD} {k} {i}"}
+                for i in range(docs_per_file)]
+        _jsonl(root / f"p{k}.jsonl", [*rows, '{"id": "bad"'])
+    return SourceConfig(str(root / "p*.jsonl"), "en")
+
+
+@pytest.mark.parametrize("buckets", [1, 3, 8])
+def test_duplicate_ids_keep_the_first_copy_whatever_the_bucket_count(tmp_path, buckets):
+    """The id check is a grouping hash-partitioned by id: the first copy in file and
+    record order is kept, the others rejected in each file's record order, and the
+    bytes do not depend on how many buckets the ids were spread over."""
+    src = _dup_corpus(tmp_path)
+    cfg = IngestConfig(sources=[src], part_docs=4, num_workers=1)
+    metrics = run_ingest(cfg, tmp_path / "out", buckets=buckets)
+    docs = pq.read_table(tmp_path / "out", columns=["id", "file", "line"])
+    docs = docs.filter(pc.is_valid(docs.column("id")))  # rejects.parquet has no id column
+    first = {}
+    for k in range(3):
+        for i in range(7):
+            first.setdefault(f"{(7 * k + i) % 10}", (f"{tmp_path}/p{k}.jsonl", i + 1))
+    assert list(zip(docs.column("id").to_pylist(), zip(docs.column("file").to_pylist(),
+                                                        docs.column("line").to_pylist(),
+                                                        strict=True), strict=True)) == \
+        sorted(first.items(), key=lambda kv: kv[1])
+    rejects = pq.read_table(tmp_path / "out" / "rejects.parquet").to_pylist()
+    dups = [(r["file"][-8:], r["line"], r["detail"]) for r in rejects
+            if r["reason"] == readers.DUPLICATE_ID]
+    assert dups[:3] == [("p1.jsonl", 4, "id '0' already seen"), ("p1.jsonl", 5, "id '1' already seen"),
+                        ("p1.jsonl", 6, "id '2' already seen")]
+    assert len(dups) == 21 - 10
+    # File by file: its broken line first, then its duplicates in record order.
+    assert [(r["file"][-8:], r["reason"]) for r in rejects][:5] == [
+        ("p0.jsonl", readers.INVALID_JSON), ("p1.jsonl", readers.INVALID_JSON),
+        *[("p1.jsonl", readers.DUPLICATE_ID)] * 3]
+    assert metrics["total"] == {"in": 24, "kept": 10, "rejected": {
+        readers.DUPLICATE_ID: 11, readers.INVALID_JSON: 3}}
+    assert metrics["parts"] == 3
+    if buckets > 1:
+        reference = tmp_path / "one"
+        run_ingest(cfg, reference, buckets=1)
+        assert tree(reference) == tree(tmp_path / "out")
+
+
+def test_the_driver_gets_per_file_figures_not_rows(tmp_path):
+    """What the tasks return to the driver does not grow with the documents: 100 times
+    as many kept per file, the same pickled bytes (within the width of the counts)."""
+    sizes = {}
+    for n in (7, 700):
+        root = tmp_path / str(n)
+        root.mkdir()
+        executor = Metered()
+        metrics = run_ingest(IngestConfig(sources=[_dup_corpus(root, n)], part_docs=5000,
+                                          num_workers=1), root / "out", executor, buckets=2)
+        assert metrics["total"]["kept"] == 10 + 3 * (n - 7)
+        sizes[n] = executor.result_bytes
+        assert executor.results == {"ingest_file": 3, "find_duplicate_ids": 2,
+                                    "write_part": 1, "write_rejects": 1}
+    assert sizes[700] < 1.2 * sizes[7], sizes
+
+
+class Metered(LocalExecutor):
+    """The local pool, counting results by function and their pickled bytes."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.results: dict[str, int] = {}
+        self.result_bytes = 0
+
+    def _run(self, fn, tasks):
+        for result in super()._run(fn, tasks):
+            self.results[fn.__name__] = self.results.get(fn.__name__, 0) + 1
+            self.result_bytes += len(pickle.dumps(result))
+            yield result
+
+
+def test_parts_cut_across_row_groups_of_a_large_file(tmp_path, monkeypatch):
+    """A file many parts long, its temporary rows in many row groups: each part reads
+    the row groups it spans, less the duplicates, and gets exactly its documents."""
+    from lmforge.data import ingest
+
+    monkeypatch.setattr(ingest, "_FLUSH_ROWS", 5)  # row groups of 5 rows (the pool forks)
+    src = _dup_corpus(tmp_path, 40)
+    cfg = IngestConfig(sources=[src], part_docs=4, num_workers=1)
+    metrics = run_ingest(cfg, tmp_path / "out", LocalExecutor(1), buckets=3)
+    ids = [i for p in sorted((tmp_path / "out").glob("part-*")) for i in
+           pq.read_table(p, columns=["id"]).column("id").to_pylist()]
+    # File 0 holds ids 0-6, file 1 adds 7-9 (its 0-3 are repeats), file 2 only repeats.
+    assert ids == ([str(i) for i in range(7)] + [f"0/{i}" for i in range(7, 40)]
+                   + ["7", "8", "9"] + [f"1/{i}" for i in range(7, 40)]
+                   + [f"2/{i}" for i in range(7, 40)])
+    assert metrics["parts"] == -(-len(ids) // 4)
+    reference = tmp_path / "one_group"
+    monkeypatch.setattr(ingest, "_FLUSH_ROWS", 4096)
+    run_ingest(cfg, reference, LocalExecutor(1), buckets=1)
+    assert tree(reference) == tree(tmp_path / "out")

@@ -35,9 +35,11 @@ class Counting(LocalExecutor):
     def __init__(self, num_workers: int = 1) -> None:
         super().__init__(num_workers)
         self.ran = 0
+        self.ran_by: dict[str, int] = {}
 
     def _run(self, fn, tasks):
         self.ran += len(tasks)
+        self.ran_by[fn.__name__] = self.ran_by.get(fn.__name__, 0) + len(tasks)
         return super()._run(fn, tasks)
 
 
@@ -156,9 +158,28 @@ def test_ingest_resumes_after_an_interrupt(tmp_path, monkeypatch):
     rerun = Counting()
     assert run_ingest(dataclasses.replace(cfg, num_workers=cfg.num_workers + 3), "resumed",
                       rerun) == whole
-    assert rerun.ran == whole["files"] - 2
+    assert rerun.ran_by["ingest_file"] == whole["files"] - 2
     assert tree(Path("resumed")) == tree(Path("whole"))
     assert not Path(".resumed.partial").exists()
+
+
+@pytest.mark.parametrize("step", ["find_duplicate_ids", "write_part"])
+def test_ingest_resumes_in_its_later_maps(tmp_path, monkeypatch, step):
+    """Killed while checking ids or writing parts: the rerun reads no file again and
+    redoes only the tasks that had not finished."""
+    make_raw(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    cfg = dataclasses.replace(params().ingest, part_docs=20)
+    whole = run_ingest(cfg, "whole", buckets=3)
+    with pytest.raises(KeyboardInterrupt):
+        run_ingest(cfg, "resumed", Interrupted(step, 1), buckets=3)
+    rerun = Counting()
+    assert run_ingest(cfg, "resumed", rerun, buckets=3) == whole
+    total = {"find_duplicate_ids": 3, "write_part": whole["parts"]}
+    assert whole["parts"] > 2
+    assert rerun.ran_by.get("ingest_file", 0) == 0
+    assert rerun.ran_by[step] == total[step] - 1
+    assert tree(Path("resumed")) == tree(Path("whole"))
 
 
 def test_mix_resumes_after_an_interrupt_in_each_step(ingested):

@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 from files import tree
 
-from lmforge.config import ExecutorConfig, Params, SourceConfig, load_params
+from lmforge.config import ExecutorConfig, IngestConfig, Params, SourceConfig, load_params
 from lmforge.errors import InputError
 
 ray = pytest.importorskip("ray")
 
+from lmforge.data import ingest  # noqa: E402
 from lmforge.data.filtering import run_filter  # noqa: E402
 from lmforge.executor import ExecutorError, LocalExecutor, RayExecutor  # noqa: E402
 
@@ -99,6 +100,8 @@ def local_run(tmp_path_factory):
 def test_ray_run_writes_the_local_bytes(ray_cluster, local_run, tmp_path, monkeypatch):
     write_demo_slice(tmp_path)
     monkeypatch.setenv("LMFORGE_EXECUTOR", "ray")
+    # Ids checked in several buckets here (the local run had one): the same bytes.
+    monkeypatch.setattr(ingest, "ID_BUCKET_BYTES", 100_000)
     run_stages(tmp_path, monkeypatch, DATA_STAGES)
     # The tokenizer stage has no per-part tasks: take the local one, then shards on Ray.
     shutil.copytree(local_run / "models", tmp_path / "models")
@@ -158,6 +161,23 @@ def test_a_killed_worker_is_retried_and_the_output_is_unchanged(ray_cluster, loc
         assert c["in"] == c["kept"] + sum(c["rejected"].values())
 
 
+def test_ingest_checks_ids_on_ray_as_the_local_pool_does(ray_cluster, tmp_path):
+    """Repeated ids across files: Ray's tasks group them in 4 buckets, the local pool in
+    1; the same parts, rejects and counts, and no rows come back to the driver."""
+    for k in range(4):
+        rows = [json.dumps({"id": f"{(5 * k + i) % 12}" if i < 6 else f"{k}/{i}",
+                            "text": f"document {k} {i} " * 20}) for i in range(40)]
+        (tmp_path / f"f{k}.jsonl").write_text("\n".join(rows) + "\n")
+    cfg = IngestConfig(sources=[SourceConfig(str(tmp_path / "f*.jsonl"), "en")],
+                       part_docs=30, num_workers=1)
+    local = ingest.run_ingest(cfg, tmp_path / "local", LocalExecutor(1), buckets=1)
+    remote = ingest.run_ingest(cfg, tmp_path / "ray", RayExecutor(ExecutorConfig("ray")),
+                               buckets=4)
+    assert remote == local
+    assert local["total"]["rejected"] == {"duplicate_id": 24 - 12}
+    assert tree(tmp_path / "ray") == tree(tmp_path / "local")
+
+
 def test_a_task_error_reaches_the_driver_as_raised(ray_cluster, tmp_path):
     """A corrupt part raises InputError inside the task: the same one line as locally."""
     (tmp_path / "in").mkdir()
@@ -189,13 +209,16 @@ def test_missing_ray_is_one_line(monkeypatch):
 
 def test_two_ray_nodes_on_one_machine_write_the_local_bytes(local_run, tmp_path):
     """A head and a worker node (ray.cluster_utils.Cluster), one CPU each, in a fresh
-    process (the session's Ray instance is a single node)."""
+    process (the session's Ray instance is a single node): ingest (ids in 3 buckets)
+    and filter."""
     pytest.importorskip("ray.cluster_utils")  # Ray's own multi-node test harness
+    write_demo_slice(tmp_path)  # the same relative paths as the local run's
     script = textwrap.dedent(f"""
         import json, ray
         from ray.cluster_utils import Cluster
         from lmforge.config import ExecutorConfig, load_params
         from lmforge.data.filtering import run_filter
+        from lmforge.data.ingest import run_ingest
         from lmforge.executor import RayExecutor
         import sys; sys.path.insert(0, {str(REPO / "tests")!r})
         from test_executor_ray import slice_params
@@ -204,23 +227,25 @@ def test_two_ray_nodes_on_one_machine_write_the_local_bytes(local_run, tmp_path)
         ray.init(address=cluster.address, include_dashboard=False)
         try:
             nodes = [n for n in ray.nodes() if n["Alive"]]
-            m = run_filter(slice_params().filter, {str(local_run / "data" / "ingested")!r},
-                           {str(tmp_path / "filtered")!r},
-                           executor=RayExecutor(ExecutorConfig("ray", address=cluster.address)))
-            print("RESULT", json.dumps({{"nodes": len(nodes), "metrics": m}}))
+            executor = RayExecutor(ExecutorConfig("ray", address=cluster.address))
+            p = slice_params()
+            ingested = run_ingest(p.ingest, "data/ingested", executor, buckets=3)
+            m = run_filter(p.filter, "data/ingested", "data/filtered", executor=executor)
+            print("RESULT", json.dumps({{"nodes": len(nodes), "ingest": ingested, "filter": m}}))
         finally:
             ray.shutdown()
             cluster.shutdown()
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
     result = json.loads(line[len("RESULT "):])
     assert result["nodes"] == 2
-    assert tree(tmp_path / "filtered") == tree(local_run / "data" / "filtered")
-    reference = json.loads((local_run / "metrics" / "filter.json").read_text())
-    assert result["metrics"]["domains"] == reference["domains"]
+    for stage, out in (("ingest", "ingested"), ("filter", "filtered")):
+        assert tree(tmp_path / "data" / out) == tree(local_run / "data" / out), stage
+        reference = json.loads((local_run / "metrics" / f"{stage}.json").read_text())
+        assert result[stage]["domains"] == reference["domains"], stage
 
 
 def test_an_unreachable_cluster_is_one_line_in_seconds(monkeypatch):
