@@ -283,7 +283,7 @@ def profile_step(step: Step, loader: WindowLoader, n: int,
         _sync(device)
     events = prof.key_averages()
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
-    busy = (sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+    busy = (sum(e.self_device_time_total for e in events if is_kernel(e))
             if cuda else sum(e.self_cpu_time_total for e in events))
     return {"kind": "CUDA kernels" if cuda else "CPU ops", "steps": n,
             # The device's busy time a step: against the timed step, the idle share.
@@ -292,11 +292,19 @@ def profile_step(step: Step, loader: WindowLoader, n: int,
             "ops_table": events.table(sort_by=sort, row_limit=PROFILE_ROWS)}
 
 
+def is_kernel(event: Any) -> bool:
+    """A device event that is work (a kernel, memcpy, memset), not a profiler range such
+    as ``Optimizer.step#AdamW.step`` or ``FSDP::pre_forward``, whose device time is that
+    of the kernels inside it, counted already."""
+    return (event.device_type == DeviceType.CUDA
+            and not getattr(event, "is_user_annotation", False))
+
+
 def top_events(events: Any, cuda: bool, steps: int, k: int = PROFILE_ROWS) -> list[dict]:
     """The ``k`` events with the most self time: on CUDA the kernels (and memcpy/memset)
     the device ran, on a CPU the CPU ops; each with its share of all such time."""
     if cuda:
-        chosen = [(e, e.self_device_time_total) for e in events if e.device_type == DeviceType.CUDA]
+        chosen = [(e, e.self_device_time_total) for e in events if is_kernel(e)]
     else:
         chosen = [(e, e.self_cpu_time_total) for e in events]
     total = sum(us for _, us in chosen) or 1.0

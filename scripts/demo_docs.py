@@ -214,11 +214,18 @@ def block_dpo_recipes(found: dict[str, Figures], root: Path) -> str:
     return sweep.markdown(json.loads(path.read_text(encoding="utf-8"))) + "\n"
 
 
+def block_gpu_mfu(found: dict[str, Figures], root: Path) -> str:
+    """Issue 44's GPU sitting: bench/gpu_table.py's table of each committed run."""
+    table = _script(root / "bench/gpu_table.py")
+    runs = sorted((root / "bench/results/gpu_h200").glob("run*"))
+    return "\n\n".join(f"**{run.name}**\n\n{table.markdown(run)}" for run in runs) + "\n"
+
+
 BLOCKS: dict[str, Callable[[dict[str, Figures], Path], str]] = {
     "summary": block_summary, "headline": block_headline, "harness": block_harness,
     "post": block_post, "domains": block_domains, "ablation_demo": block_ablation_demo,
     "ablation_large": block_ablation_large, "ablation_nobf": block_ablation_nobf,
-    "dpo_recipes": block_dpo_recipes}
+    "dpo_recipes": block_dpo_recipes, "gpu_mfu": block_gpu_mfu}
 
 
 def plan_output(m: re.Match) -> str:
