@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import random
 import shutil
 import subprocess
@@ -19,6 +21,8 @@ from lmforge.errors import InputError
 from lmforge.executor import Executor
 from lmforge.shards import ShardSet, WindowLoader, encode
 from lmforge.shards.build import build_shards
+from lmforge.shards.format import token_dtype
+from lmforge.shards.writer import ShardWriter
 from lmforge.tokenizer import Tokenizer
 from lmforge.tokenizer.train import train_model
 
@@ -138,6 +142,61 @@ def test_any_executor_writes_the_same_bytes(built, tmp_path, monkeypatch):
     for split in ("train", "val"):
         for f in sorted((root / "data/shards" / split).iterdir()):
             assert f.read_bytes() == (tmp_path / split / f.name).read_bytes(), f.name
+
+
+class _Metered(Executor):
+    """Runs the tasks in this process; counts the pickled bytes of what each function
+    returns to the driver."""
+
+    name = "metered"
+    workers = 2
+
+    def __init__(self) -> None:
+        self.result_bytes: dict[str, int] = {}
+        self.results: dict[str, int] = {}
+
+    def _run(self, fn, tasks):
+        for task in tasks:
+            result = fn(task)
+            size = len(pickle.dumps(result))
+            self.result_bytes[fn.__name__] = self.result_bytes.get(fn.__name__, 0) + size
+            self.results[fn.__name__] = self.results.get(fn.__name__, 0) + 1
+            yield result
+
+
+@pytest.mark.parametrize("shard_tokens", [1, 300, 10**9])
+def test_shard_tasks_write_what_one_writer_would_and_no_token_reaches_the_driver(
+        built, tmp_path, monkeypatch, shard_tokens):
+    """Shards cut by tasks from the pieces' token counts are the bytes one writer,
+    given every document in order, writes (a shard per document, many, one); what comes
+    back to the driver is the counts (8 B a document) and a manifest entry per shard."""
+    root, _, tok, _, _ = built
+    monkeypatch.setattr(encode, "CHUNK_CHARS", 1000)  # several pieces per part
+    monkeypatch.setattr(encode, "MIN_CHUNK_CHARS", 1000)
+    executor = _Metered()
+    metrics = build_shards(root / "data/mixed", root / "models/tokenizer/tokenizer.model",
+                           tmp_path / "tasks", ShardsConfig(shard_tokens=shard_tokens),
+                           executor=executor)
+    split = tmp_path / "tasks" / "train"
+    parts = sorted((root / "data/mixed/train").glob("part-*.parquet"))
+    writer = ShardWriter(tmp_path / "one", tok.vocab_size, tok.sha256,
+                         metrics["domains"], shard_tokens)
+    for task in encode.plan_tasks(parts, root / "models/tokenizer/tokenizer.model", tok.sha256,
+                                  False, True, token_dtype(tok.vocab_size), metrics["domains"]):
+        enc = encode.encode_rows(task)
+        writer.add(enc.tokens, enc.lengths, enc.nbytes, enc.domains)
+    writer.close({k: json.loads((split / "manifest.json").read_text())[k]
+                  for k in ("bos", "eos", "bos_id", "eos_id", "pad_id")})
+    assert sorted(p.name for p in split.iterdir()) == sorted(p.name for p in (tmp_path / "one").iterdir())
+    for f in split.iterdir():
+        assert f.read_bytes() == (tmp_path / "one" / f.name).read_bytes(), f.name
+    docs = metrics["train"]["docs"] + metrics["val"]["docs"]
+    tokens = metrics["train"]["tokens"] + metrics["val"]["tokens"]
+    assert metrics["train"]["shards"] == {1: docs - metrics["val"]["docs"], 10**9: 1}.get(
+        shard_tokens, metrics["train"]["shards"])
+    # int64 counts, and numpy's pickling of an array (~150 bytes) per piece
+    assert executor.result_bytes["encode_piece"] <= 8 * docs + 200 * executor.results["encode_piece"]
+    assert executor.result_bytes["encode_piece"] < 2 * tokens  # a token is 2 bytes (uint16)
 
 
 def test_bos_is_prepended_when_asked(built, tmp_path):

@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lmforge.errors import InputError
+from lmforge.io import atomic_path
 from lmforge.tokenizer import Tokenizer
 from lmforge.tokenizer.corpus import check_strings, open_columns
 
@@ -253,3 +254,36 @@ def encode_rows(task: RowsTask) -> EncodedChunk:
                                         np.dtype(task.dtype))
     nbytes = _ints(pc.binary_length(text)).astype(np.uint64)
     return EncodedChunk(tokens, lengths, nbytes, codes.astype(np.uint16))
+
+
+# ----------------------------------------------------------------------- pieces
+
+
+@dataclass(frozen=True)
+class PieceTask:
+    """Encode ``rows`` into the piece files ``out``.tok (the token ids back to back) and
+    ``out``.npz (per document: tokens, UTF-8 bytes, domain code)."""
+
+    rows: RowsTask
+    out: str
+
+
+def encode_piece(task: PieceTask) -> np.ndarray:
+    """Encode one task's rows into its piece files; return the documents' token counts,
+    all the driver needs to plan the shards (runs on a worker)."""
+    enc = encode_rows(task.rows)
+    with atomic_path(task.out + ".tok") as tmp:
+        enc.tokens.tofile(tmp)
+    with atomic_path(task.out + ".npz") as tmp, open(tmp, "wb") as f:
+        np.savez(f, lengths=enc.lengths, nbytes=enc.nbytes, domains=enc.domains)
+    return enc.lengths
+
+
+def read_piece(out: str, dtype: str, start: int, stop: int, first: int,
+               end: int) -> EncodedChunk:
+    """Documents ``[start, stop)`` of a piece, whose tokens are ``[first, end)``."""
+    with np.load(out + ".npz") as doc:
+        lengths, nbytes, domains = (doc[k][start:stop] for k in ("lengths", "nbytes", "domains"))
+    dt = np.dtype(dtype)
+    tokens = np.fromfile(out + ".tok", dt, count=end - first, offset=first * dt.itemsize)
+    return EncodedChunk(tokens, lengths, nbytes, domains)

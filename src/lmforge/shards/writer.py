@@ -13,6 +13,7 @@ holds at most ``shard_tokens`` tokens, except one holding a single longer docume
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -31,11 +32,52 @@ from lmforge.shards.format import (
 )
 
 
+class ShardCuts:
+    """Where documents fall into shards, from their token counts alone: whole documents,
+    at most ``shard_tokens`` tokens a shard, a longer document alone in one. The writer
+    cuts by it, and so does a planner that has only the counts (the shards stage, whose
+    tasks write the shards), so both give the same shard set."""
+
+    def __init__(self, shard_tokens: int) -> None:
+        self.shard_tokens = shard_tokens
+        self.open = False  # a shard has documents and is not finished
+        self.ntok = 0
+
+    def add(self, doc_lengths: np.ndarray) -> Iterator[tuple[int, int, int, int] | None]:
+        """For the next documents (their token counts): ``(start, stop, first token, end
+        token)`` for each run of them that goes into the open shard, and ``None`` each time
+        the open shard is finished."""
+        ends = np.cumsum(doc_lengths)
+        start = 0
+        while start < len(doc_lengths):
+            # Whole documents that still fit; an empty shard takes at least one.
+            base = int(ends[start - 1]) if start else 0
+            stop = int(np.searchsorted(ends, base + self.shard_tokens - self.ntok, "right"))
+            if self.ntok == 0:
+                stop = max(stop, start + 1)
+            if stop == start:  # the next document does not fit: start a new shard
+                yield self._finish()
+                continue
+            end = int(ends[stop - 1])
+            self.open, self.ntok = True, self.ntok + end - base
+            yield start, stop, base, end
+            start = stop
+            if self.ntok >= self.shard_tokens:
+                yield self._finish()
+
+    def _finish(self) -> None:
+        self.open, self.ntok = False, 0
+
+
 class ShardWriter:
-    """Append documents (as one flat token array + per-document lengths) to shards."""
+    """Append documents (as one flat token array + per-document lengths) to shards.
+
+    ``first_shard``: the number of the first shard it writes (a task writing shard ``k``
+    of a set planned elsewhere)."""
 
     def __init__(self, out_dir: str | Path, vocab_size: int, tokenizer_sha256: str,
-                 domain_names: list[str], shard_tokens: int, loss_mask: bool = False) -> None:
+                 domain_names: list[str], shard_tokens: int, loss_mask: bool = False,
+                 first_shard: int = 0) -> None:
         self.out_dir = Path(out_dir)
         self.loss_mask = loss_mask
         self._mask_file: BinaryIO | None = None
@@ -47,8 +89,10 @@ class ShardWriter:
         self.tokenizer_sha256 = tokenizer_sha256
         self.domain_names = list(domain_names)
         self.shard_tokens = shard_tokens
+        self.first_shard = first_shard
         self.shards: list[dict[str, Any]] = []
         self.totals = {name: {"docs": 0, "tokens": 0, "bytes": 0} for name in domain_names}
+        self._cuts = ShardCuts(shard_tokens)
         self._file: BinaryIO | None = None
         self._ntok = 0
         self._lens: list[np.ndarray] = []
@@ -76,30 +120,32 @@ class ShardWriter:
             bad = int(tokens.max()) if int(tokens.max()) > self._max_id else int(tokens.min())
             raise InputError(f"token id {bad} outside [0, {self._max_id}] for vocab size "
                              f"{self.vocab_size} ({self.dtype.name}); refusing to truncate")
-        ends = np.cumsum(doc_lengths)
-        start = 0
-        while start < len(doc_lengths):
-            if self._file is None:
-                self._open()
-            # Whole documents that still fit; an empty shard takes at least one.
-            base = int(ends[start - 1]) if start else 0
-            stop = int(np.searchsorted(ends, base + self.shard_tokens - self._ntok, "right"))
-            if self._ntok == 0:
-                stop = max(stop, start + 1)
-            if stop == start:  # the next document does not fit: start a new shard
+        for cut in self._cuts.add(doc_lengths):
+            if cut is None:
                 self._finish()
                 continue
-            self._write(tokens[base:int(ends[stop - 1])], doc_lengths[start:stop],
-                        doc_bytes[start:stop], doc_domains[start:stop],
-                        None if mask is None else mask[base:int(ends[stop - 1])])
-            start = stop
-            if self._ntok >= self.shard_tokens:
-                self._finish()
+            start, stop, base, end = cut
+            if self._file is None:
+                self._open()
+            self._write(tokens[base:end], doc_lengths[start:stop], doc_bytes[start:stop],
+                        doc_domains[start:stop], None if mask is None else mask[base:end])
+
+    def flush(self) -> None:
+        """Finish the open shard, if any (what :meth:`close` does before the manifest)."""
+        if self._file is not None:
+            self._finish()
+
+    def adopt(self, entry: dict[str, Any], totals: dict[str, dict[str, int]]) -> None:
+        """Count a shard another writer wrote (its manifest entry and per-domain totals)
+        as the next of this set."""
+        self.shards.append(entry)
+        for name, t in totals.items():
+            for key, value in t.items():
+                self.totals[name][key] += value
 
     def close(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Finish the last shard and write ``manifest.json`` (plus ``extra`` keys)."""
-        if self._file is not None:
-            self._finish()
+        self.flush()
         manifest = {
             "format_version": FORMAT_VERSION,
             "dtype": self.dtype.name,
@@ -119,7 +165,7 @@ class ShardWriter:
     # ---------------------------------------------------------------- one shard
 
     def _open(self) -> None:
-        path = self.out_dir / f"shard-{len(self.shards):05d}.bin"
+        path = self.out_dir / f"shard-{self.first_shard + len(self.shards):05d}.bin"
         self._file = open(path, "wb")  # noqa: SIM115 -- held open across add() calls
         self._file.write(b"\0" * HEADER_SIZE)  # the real header is written on _finish
         if self.loss_mask:
@@ -159,7 +205,7 @@ class ShardWriter:
         os.fsync(self._file.fileno())
         self._file.close()
         self._file = None
-        bin_path = self.out_dir / f"shard-{len(self.shards):05d}.bin"
+        bin_path = self.out_dir / f"shard-{self.first_shard + len(self.shards):05d}.bin"
         idx_path = bin_path.with_suffix(".idx")
         idx_path.write_bytes(index.pack(self._ntok))
         entry = {
