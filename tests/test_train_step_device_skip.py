@@ -122,3 +122,18 @@ def test_on_cuda_a_non_finite_step_is_skipped_by_the_kernel():
     with torch.no_grad():
         after[0][5] = before[0][5]
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_a_host_read_holds_the_values_when_it_was_queued(device):
+    from lmforge.train.step import HostRead, to_device
+
+    t = torch.tensor([1.5, float("nan"), 3.0], device=device)
+    reading = HostRead(t)
+    t.add_(10.0)  # work queued after the read does not reach it
+    got = reading.values()
+    assert got[0] == 1.5 and math.isnan(got[1]) and got[2] == 3.0
+    batch = torch.arange(6).view(2, 3)
+    moved = to_device(batch, torch.device(device))
+    assert moved.device.type == device and torch.equal(moved.cpu(), batch)

@@ -53,16 +53,46 @@ def optimizer_step(step_model: torch.nn.Module, ddp: DistributedDataParallel | N
             stats /= env.world_size
         if len(objective.stats):
             dist.all_reduce(stat_sums)  # sums over ranks
+    figures = torch.cat([stats, stat_sums.float()])  # the host reads them all at once
     queued = skips_on_device(optimizer, scaler, env.device)
     if queued:
+        # The copy is queued before the update, and the host waits for it alone: the
+        # GPU still has the update to run while the host readies the next step.
+        reading = HostRead(figures)
         step_unless_non_finite(optimizer, stats)
-    loss_val, norm_val = stats.tolist()
+        values = reading.values()
+    else:
+        values = figures.tolist()
+    loss_val, norm_val, *stat_values = values
     if not queued and math.isfinite(loss_val) and (math.isfinite(norm_val)
                                                    or scaler.is_enabled()):
         scaler.step(optimizer)  # with fp16, skips by itself when the grads overflowed
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return loss_val, norm_val, dict(zip(objective.stats, stat_sums.tolist(), strict=True))
+    return loss_val, norm_val, dict(zip(objective.stats, stat_values, strict=True))
+
+
+class HostRead:
+    """A small CUDA tensor's values for the host, without waiting for the whole stream:
+    a non-blocking copy into pinned memory and an event recorded after it, so
+    :meth:`values` waits for that copy alone, not for the work queued behind it
+    (``tensor.tolist()`` waits for everything queued before it returns)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.done: torch.cuda.Event | None = None
+        if tensor.device.type != "cuda":  # nothing runs ahead of the host: a copy
+            self.host = tensor.detach().clone()
+            return
+        self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self.host.copy_(tensor, non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
+
+    def values(self) -> list[float]:
+        """The values, once the copy has landed."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
@@ -107,7 +137,7 @@ def _accumulate(step_model: torch.nn.Module, ddp: DistributedDataParallel | None
     loss_sum = torch.zeros((), device=env.device)
     stat_sums = torch.zeros(len(objective.stats), device=env.device)
     for micro, (host, count) in enumerate(zip(batches, counts, strict=True)):
-        batch = [t.to(env.device, non_blocking=True) for t in host]
+        batch = [to_device(t, env.device) for t in host]
         # Gradients are all-reduced only on the last micro-batch.
         sync = (ddp.no_sync() if ddp is not None and micro < accum - 1
                 else contextlib.nullcontext())
@@ -123,6 +153,15 @@ def _accumulate(step_model: torch.nn.Module, ddp: DistributedDataParallel | None
                 weighted = loss.sum() * 0.0 if isinstance(count, tuple) else loss * 0.0
             scaler.scale(weighted).backward()
     return loss_sum, stat_sums
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; to CUDA through pinned memory, so the copy is queued on the
+    stream instead of waiting for it to drain (a copy from pageable memory waits for
+    every kernel queued before it: the GPU would idle until the host caught up)."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def micro_share(loss: torch.Tensor, count: int | tuple[int, ...],
