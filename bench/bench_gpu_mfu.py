@@ -195,9 +195,11 @@ def plan_estimate(step: Step, strategy: str, vocab: int, micro: int,
                   device: torch.device) -> dict[str, Any]:
     """``lmforge plan``'s figures for this step (the same shape, batch and knobs), so the
     estimate stands beside the measured peak; every row comes along, new ones too."""
+    # The loss the step runs (auto resolved by the probe), not the key: Setup takes a
+    # bool, and the string "auto" would plan the chunked loss whatever the run took.
     setup = Setup(model=step.mcfg, vocab=vocab, precision=step.precision.name, world=1,
                   activation_checkpointing=step.cfg.activation_checkpointing,
-                  fused_loss=step.cfg.fused_loss, optimizer=step.cfg.optimizer)
+                  fused_loss=bool(step.model.fused_loss), optimizer=step.cfg.optimizer)
     # The device's size only decides 'fits'; a CPU gets the command's default of 80 GiB.
     device_gib = (torch.cuda.get_device_properties(device).total_memory / GIB
                   if device.type == "cuda" else 80.0)

@@ -331,3 +331,14 @@ def test_real_nanogpt_train_py_runs_beside_the_step_on_cpu(tmp_path):
 def test_cuda_run_reports_mfu():
     out = run_script("--device", "cuda")
     assert re.search(r"MFU vs spec peak: [\d.]+% of \d+ TFLOP/s|MFU vs spec peak: n/a", out)
+
+
+def test_the_plan_beside_the_step_is_of_the_loss_the_step_ran(tmp_path):
+    out = tmp_path / "o"
+    for loss, buffers in (("false", False), ("true", True)):
+        stdout = run_script("--device", "cpu", "--compile", "false", "--strategy", "plain",
+                            "--steps", "1", "--fused-loss", loss, "--json",
+                            str(out / f"{loss}.json"))
+        assert ("plain loss" if loss == "false" else "chunked loss") in stdout
+        doc = json.loads((out / f"{loss}.json").read_text())
+        assert (doc["plain"]["plan"]["loss_buffers"] > 0) is buffers

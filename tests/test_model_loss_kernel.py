@@ -102,12 +102,11 @@ def test_the_kernel_is_used_only_for_cuda_bf16_or_fp32(monkeypatch):
     assert not loss_kernel.available(cuda, torch.bfloat16)  # no Triton: the aten path
 
 
-def test_the_kernel_takes_one_chunk_for_gpt2_smalls_step():
+def test_the_kernel_takes_four_times_the_logits_per_chunk():
     from lmforge.model.loss import balanced_chunk, default_chunk_tokens
 
     most = default_chunk_tokens(50304, "cuda", kernel=True)
-    assert most == (1 << 30) // 50304 and balanced_chunk(16 * 1024, most) == 16 * 1024
-    assert balanced_chunk(16 * 1024, default_chunk_tokens(128256, "cuda", kernel=True)) == 8192
+    assert most == (1 << 28) // 50304 and balanced_chunk(16 * 1024, most) == 4096
     assert default_chunk_tokens(50304, "cuda") == (1 << 26) // 50304
 
 

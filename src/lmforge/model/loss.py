@@ -38,13 +38,13 @@ LIGER = "liger"
 # 0.84 / 1.39 s in 2 x 512 tokens, 1.23 / 1.48 s for the plain logits; the demo's 8k,
 # 4096 tokens, 0.43 / 0.44 s in 128-token chunks, 0.36 / 0.41 s in 512-token ones. On a
 # GPU large chunks keep the kernel count low. With the Triton kernel (loss_kernel.py)
-# a chunk's logits stay 16-bit and are never copied, so it takes 16x the logits (2 GiB in
-# bf16, the plain loss's logits for GPT-2 small's 16 x 1024 tokens at vocab 50,304): each
-# further chunk adds a whole V x d product into the head's fp32 gradient (0.7 GB of
-# traffic at that shape), and in four chunks the step was no faster than the plain
-# loss's (H200, bench/RESULTS.md "GPU MFU", run2); a Llama 3 vocabulary takes two.
+# a chunk's logits stay 16-bit and are never copied, so it takes 4x the logits: 0.5 GB in
+# bf16, about the eager path's fp32 chunk and its copy (what `lmforge plan` counts), in
+# four chunks for GPT-2 small's 16 x 1024 tokens at vocab 50,304 (measured on an H200:
+# bench/RESULTS.md "GPU MFU", run2). Fewer, larger chunks would save the head
+# gradient's fp32 sums (a V x d product each) at the plain loss's memory.
 CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
-KERNEL_CHUNK_ELEMENTS = 1 << 30
+KERNEL_CHUNK_ELEMENTS = 1 << 28
 MIN_CHUNK_TOKENS = 512
 
 
