@@ -51,6 +51,25 @@ def variants(log: Path) -> list[dict]:
     return out
 
 
+def compiled_plan_gib(doc: dict, key: str) -> float:
+    """``lmforge plan``'s compiled total for the run's ``key`` step (plain or fsdp): the
+    figure the run recorded, or, for runs from before it did, the plan recomputed for
+    the run's shape, precision and the loss its step took."""
+    f = doc[key]
+    if "plan_compiled_mib" in f:
+        return f["plan_compiled_mib"] / 1024
+    from lmforge.config import ModelConfig
+    from lmforge.plan import Setup, plan
+
+    shape = doc["shape"]
+    model = ModelConfig(n_layer=shape["n_layer"], n_head=shape["n_head"],
+                        n_embd=shape["n_embd"], seq_len=shape["seq_len"])
+    setup = Setup(model=model, vocab=shape["vocab"], precision=doc["precision"],
+                  fused_loss="plain loss" not in f["how"])
+    figures = plan(setup, 80.0, doc["micro"])["fsdp" if key == "fsdp" else "ddp"]
+    return figures["total_compiled"] / GIB
+
+
 def rows(run: Path) -> list[dict]:
     """The run's rows: lmforge plain and FSDP, nanoGPT's train.py and its in-process
     step, then the variants; each with tokens/s and what else the run measured."""
@@ -67,7 +86,7 @@ def rows(run: Path) -> list[dict]:
             out.append({"what": f"{what}; {f['how'].split('; ')[-1]}", "tok_s": f["tok_s"],
                         "step_ms": f["step_ms_median"], "busy_ms": busy_ms(run / prof, steps),
                         "memory_gib": f["peak_memory_mib"] / 1024,
-                        "plan_gib": f["plan_total_mib"] / 1024})
+                        "plan_gib": compiled_plan_gib(doc, key)})
     if nano_tok:
         n = doc["nanogpt"]
         out.append({"what": "upstream nanoGPT train.py, median of iterations 5-40",
@@ -96,7 +115,7 @@ def _cell(value: float | None, spec: str, suffix: str = "") -> str:
 def markdown(run: Path) -> str:
     """One run's table."""
     lines = ["| what | tokens/s | model TFLOP/s | MFU of 989 | vs nanoGPT | step ms | "
-             "GPU busy ms | GPU idle | peak GiB (plan) |",
+             "GPU busy ms | GPU idle | peak GiB (plan, compiled) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows(run):
         busy = r.get("busy_ms")

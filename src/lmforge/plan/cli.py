@@ -65,12 +65,15 @@ def format_table(p: dict[str, Any], source: str, auto_loss: bool = False) -> str
     mb = p["micro_batch"]
     row(f"total @ micro-batch {mb}", [format_size(p[st]["total"]) + ("" if p[st]["fits"] else "!")
                                       for st in STRATEGIES])
+    if not p["fused_loss"]:  # Inductor fuses the plain loss: its fp32 passes never exist
+        row("total, compiled", [format_size(p[st]["total_compiled"]) for st in STRATEGIES])
     row("fits micro-batch", [str(p[st]["max_micro_batch"]) for st in STRATEGIES])
     lines.append(f"budget {format_size(p['budget_bytes'])} = {p['device_bytes'] / GIB:g} GiB - "
                  f"reserve {format_size(p['reserve_bytes'])} (CUDA context and workspaces + "
                  f"{FRAGMENTATION:.0%} for allocator fragmentation); '!' = over budget")
     lines.append("assumes flash / memory-efficient SDPA (no s x s scores), eager autograd "
-                 "(torch.compile keeps less), gradients resident; GiB = 2^30 bytes")
+                 "(torch.compile keeps less; 'compiled': the plain loss fused), gradients "
+                 "resident; GiB = 2^30 bytes")
     if p["optimizer"] == "muon":
         lines.append("optimizer: Muon (one fp32 buffer) on the blocks' matrices, AdamW on the "
                      "rest; fsdp plans AdamW, as Muon is refused under FSDP")

@@ -31,9 +31,12 @@ What each strategy keeps (``a`` = bytes of the compute dtype, 2 for bf16/fp16, 4
   head) stay unsharded in bf16 for the whole step (FSDP2 does not reshard the root after
   forward); two blocks are unsharded at a time (the one computing and the one prefetched);
   one block's bf16 gradients and their fp32 reduce-scatter buffer; the residual stream is
-  bf16. With fp16, lmforge.train.fsdp sets no policy: fp32 gathers under autocast.
+  bf16. With fp16, lmforge.train.fsdp sets no policy: fp32 gathers under autocast. On
+  one rank the root is the only unit: every weight gathered all step, every gradient
+  reduced at the end of backward.
 
-Not modelled: torch.compile (Inductor recomputes pointwise ops and usually keeps less),
+Not modelled: torch.compile (Inductor recomputes pointwise ops and usually keeps less)
+but for the plain loss, which it fuses (``Setup.compiled``, the plan's compiled total),
 the activation gradients alive during a block's backward, LoRA (:mod:`lmforge.plan.finetune`
 plans it), and gradient liveness: after the first step ``zero_grad(set_to_none=True)``
 frees the gradients between steps, so counting them resident over-states the forward's
@@ -108,19 +111,25 @@ def bucket_bytes(s: Setup, strategy: str) -> int:
 
 def unsharded_params_bytes(s: Setup, strategy: str) -> int:
     """FSDP: p * (root + 2 * block), p the gathered dtype's bytes: the root all step, a
-    block and the prefetched next."""
+    block and the prefetched next. On one rank the root is the only FSDP unit
+    (lmforge.train.fsdp): p * P, every weight gathered for the whole step."""
     if strategy != "fsdp":
         return 0
     p = param_dtype_bytes(strategy, s.precision)
+    if s.world == 1:
+        return p * num_params(s.model, s.vocab)
     return p * (root_params(s.model, s.vocab) + 2 * block_params(s.model))
 
 
 def unsharded_grads_bytes(s: Setup, strategy: str) -> int:
     """FSDP: p * root + (p + 4) * block: the root's grads through backward, one block's
-    grads and their fp32 reduce-scatter input."""
+    grads and their fp32 reduce-scatter input; on one rank (one unit) (p + 4) * P, the
+    whole model's at the end of backward."""
     if strategy != "fsdp":
         return 0
     p = param_dtype_bytes(strategy, s.precision)
+    if s.world == 1:
+        return (p + 4) * num_params(s.model, s.vocab)
     return p * root_params(s.model, s.vocab) + (p + 4) * block_params(s.model)
 
 
@@ -199,11 +208,17 @@ def loss_activation_bytes(s: Setup, strategy: str) -> int:
     forward) [+ a*d: their cast, when r != a]. Plain: a*d (the head's input) + 12 V: fp32
     log-probabilities kept for backward, their gradient and the logits' gradient, alive
     together when backward starts (the 4 V of the fp32 logits is one third of it).
+    Plain and compiled (``s.compiled``): Inductor fuses log-softmax, the loss and their
+    backward, so a*d + 2a V + 4: the a-byte logits, their gradient, and an fp32
+    log-sum-exp (on an H200, GPT-2 small at 16 x 1024 tokens: planned 11.6 GiB, measured
+    11.97; bench/RESULTS.md "GPU MFU").
     """
     d = s.model.n_embd
     r, a = residual_bytes(strategy, s.precision), compute_bytes(s.precision)
     if s.fused_loss:
         return r * d + a * d + (a * d if r != a else 0)
+    if s.compiled:
+        return a * d + 2 * a * s.vocab + 4
     return a * d + 12 * s.vocab
 
 

@@ -70,8 +70,9 @@ def plan(s: Setup, device_gib: float, micro_batch: int,
     for strategy in STRATEGIES:
         figures: dict[str, Any] = dict(rows_bytes(s, strategy, micro_batch))
         total = total_bytes(s, strategy, micro_batch)
+        compiled = total_bytes(dataclasses.replace(s, compiled=True), strategy, micro_batch)
         figures.update(activations_per_seq=activation_bytes_per_seq(s, strategy),
-                       total=total, fits=total <= budget,
+                       total=total, fits=total <= budget, total_compiled=compiled,
                        max_micro_batch=fit_micro_batch(s, strategy, budget))
         out[strategy] = figures
     return out

@@ -74,6 +74,8 @@ class Setup:
     activation_checkpointing: bool = False
     fused_loss: bool = True
     optimizer: str = "adamw"  # adamw | muon (train.optimizer)
+    # Under torch.compile, where Inductor fuses the plain loss (see memory.py).
+    compiled: bool = False
 
 
 # --------------------------------------------------------------------------- parameters
