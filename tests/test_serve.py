@@ -251,6 +251,28 @@ def test_a_client_gone_mid_stream_stops_its_generation(client, server, monkeypat
     still_serving(client)
 
 
+def test_a_client_gone_before_a_whole_answer_stops_its_generation(client, server,
+                                                                   monkeypatch):
+    """Non-streamed: nothing is written before the answer is whole, so the server asks
+    the connection; a hang-up stops the generation and frees the place, also for a
+    request still waiting for the model (which must not keep the model afterwards)."""
+    word = Tokenizer.load(server.models["sft"].path).encode("the")[0]
+    record = {"yielded": 0, "closed": False}
+    monkeypatch.setattr(chat_mod, "generate", _slow_generate(record, word, 0.02))
+    body = {"model": "sft", "max_tokens": CAP, "messages": [{"role": "user", "content": Q1}]}
+    generating = RawStream(server.port, CHAT, body, KEY)
+    wait_for(lambda: record["yielded"] > 0, "the generation to start")
+    waiting = RawStream(server.port, CHAT, body, KEY)  # queued behind it
+    wait_for(lambda: server.models["sft"].slots.held == 2, "the second request to queue")
+    waiting.close()
+    generating.close()
+    wait_for(lambda: record["closed"], "the generation to stop")
+    assert record["yielded"] < CAP // 2  # stopped within a poll of the hang-up
+    wait_for(lambda: server.models["sft"].slots.held == 0, "both places to be freed")
+    monkeypatch.undo()
+    still_serving(client)  # the model was given back by the request that never ran
+
+
 def test_a_full_queue_answers_429_and_frees_up(client, server, monkeypatch):
     word = Tokenizer.load(server.models["sft"].path).encode("the")[0]
     record = {"yielded": 0, "closed": False}

@@ -11,6 +11,8 @@ chunks, the last with ``finish_reason`` and usage, then ``data: [DONE]``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
 from collections.abc import AsyncIterator, Callable
@@ -39,6 +41,11 @@ from lmforge.serve.schemas import (
     parse,
     usage,
 )
+
+# How often a non-streamed request asks whether its client is still there: a hang-up
+# stops its generation within this (and a token), and frees its place in the queue.
+DISCONNECT_POLL_S = 0.1
+CLIENT_GONE = 499  # nginx's status for a request its client closed; nobody receives it
 
 
 @dataclass(frozen=True)
@@ -158,12 +165,41 @@ async def _answer(request: Request, served: ServedModel, job: Job, stream: bool,
         events = _events(generation, job, chunk, last, first)
         return EventStream(events, on_close=generation.close)
     try:
-        text = "".join([piece async for piece in generation.deltas()])
+        text = await _whole_answer(request, generation)
     finally:
         generation.close()
+    if text is None:  # the client hung up: nobody reads this
+        return Response(status_code=CLIENT_GONE)
     outcome = generation.outcome
     return JSONResponse(last(text, outcome.finish_reason,
                              usage(job.prompt_tokens, outcome.completion_tokens)))
+
+
+async def _whole_answer(request: Request, generation: Generation) -> str | None:
+    """The whole text of a non-streamed answer, or None when its client hangs up first.
+
+    Nothing is sent before the answer is whole, so only asking the connection tells (a
+    streamed answer learns it from its next write). On a hang-up the collection is
+    cancelled, waiting for the model or generating; the caller's ``close`` then stops
+    the worker and frees the place."""
+    async def collect() -> str:
+        return "".join([piece async for piece in generation.deltas()])
+
+    async def hung_up() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    answer, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(hung_up())
+    try:
+        await asyncio.wait({answer, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if answer.done():
+        return answer.result()
+    answer.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await answer
+    return None
 
 
 async def _events(generation: Generation, job: Job, chunk: Callable[[str], dict],

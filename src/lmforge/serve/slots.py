@@ -46,8 +46,12 @@ class Ticket:
         self._locked = self._running = self._freed = False
 
     async def acquire(self) -> None:
-        """Wait until the model is free (cancelling the wait holds nothing)."""
+        """Wait until the model is free (cancelling the wait holds nothing). A ticket
+        closed while it waited gives the model straight back: its place is freed."""
         await self.slots.lock.acquire()
+        if self._freed:
+            self.slots.lock.release()
+            raise asyncio.CancelledError("the request was closed while it waited")
         self._locked = True
 
     def running(self, worker: asyncio.Future) -> None:
