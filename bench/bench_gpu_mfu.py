@@ -694,6 +694,22 @@ def header(args: argparse.Namespace, device: torch.device, shape: dict, micro: i
             "phases_s": {}, "errors": {}}
 
 
+@dataclass
+class Check:
+    """One run of the check: what was asked, the device's ceilings, the JSON document."""
+
+    args: argparse.Namespace
+    device: torch.device
+    shape: dict
+    micro: int
+    precision: str
+    compiled: bool
+    ceiling: float
+    peak: float | None
+    doc: dict
+    save: Callable[[], None]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the parts asked for; exit 1 when one of them failed."""
     args = parse_args(argv)
@@ -720,44 +736,59 @@ def main(argv: list[str] | None = None) -> int:
 
     compiled, _ = resolve_compile({"auto": "auto", "true": True, "false": False}[
         args.compile], device)
+    check = Check(args, device, shape, micro, precision.name, compiled, ceiling, peak, doc,
+                  save)
+    run_strategies(check)
+    if args.nanogpt:
+        run_nanogpt_parts(check)
+    save()
+    print(f"total {doc['total_s']:.0f} s" + (f"; figures in {args.json}" if args.json else ""))
+    return 1 if doc["errors"] else 0
+
+
+def run_strategies(c: Check) -> None:
+    """lmforge's step under each strategy asked for, each profiled with ``--profile``."""
+    args, doc = c.args, c.doc
     strategies = ("plain", "fsdp") if args.strategy == "both" else (args.strategy,)
     for strategy in strategies:
         prof = args.profile_steps if args.profile else 0
         r = run_phase(doc, strategy, lambda s=strategy, p=prof: measure(
-            s, args, device, shape, micro, p), save)
-        free_compiled(device)
+            s, args, c.device, c.shape, c.micro, p), c.save)
+        free_compiled(c.device)
         if r is None:
             continue
-        doc[strategy] = strategy_figures(r, peak, ceiling)
-        report(r, doc[strategy], args, doc["device"], micro, ceiling, peak)
+        doc[strategy] = strategy_figures(r, c.peak, c.ceiling)
+        report(r, doc[strategy], args, doc["device"], c.micro, c.ceiling, c.peak)
         # The first strategy's profile is 'profile' (profile.txt), the next 'profile_fsdp'.
         key = "profile" if strategy == strategies[0] else f"profile_{strategy}"
         if r["profile"] and "error" in r["profile"]:
             doc["errors"][key] = r["profile"]["error"]
         elif r["profile"]:
-            write_profile(args, doc, r, micro, key)
-        save()
+            write_profile(args, doc, r, c.micro, key)
+        c.save()
     if "fsdp_over_plain" in ratios(doc):
         print(f"fsdp / plain tokens/s: {ratios(doc)['fsdp_over_plain']:.3f}")
-    if args.nanogpt:
-        doc["nanogpt"] = run_phase(doc, "nanogpt", lambda: measure_nanogpt(
-            args, device, shape, micro, precision.name, compiled), save)
-        if doc["nanogpt"]:
-            report_nanogpt(doc["nanogpt"], peak, ceiling)
-            for key, value in ratios(doc).items():
-                if key.endswith("_over_nanogpt"):
-                    print(f"{key.replace('_over_', ' / ')} tokens/s: {value:.3f}")
-    if args.nanogpt and args.profile and args.nanogpt_profile:
-        free_compiled(device)
+
+
+def run_nanogpt_parts(c: Check) -> None:
+    """Upstream nanoGPT's train.py beside the step, then (``--nanogpt-profile``) its
+    model.py stepped and profiled in this process."""
+    args, doc = c.args, c.doc
+    doc["nanogpt"] = run_phase(doc, "nanogpt", lambda: measure_nanogpt(
+        args, c.device, c.shape, c.micro, c.precision, c.compiled), c.save)
+    if doc["nanogpt"]:
+        report_nanogpt(doc["nanogpt"], c.peak, c.ceiling)
+        for key, value in ratios(doc).items():
+            if key.endswith("_over_nanogpt"):
+                print(f"{key.replace('_over_', ' / ')} tokens/s: {value:.3f}")
+    if args.profile and args.nanogpt_profile:
+        free_compiled(c.device)
         doc["profile_nanogpt"] = run_phase(doc, "profile_nanogpt", lambda: profile_nanogpt(
-            args, device, shape, micro, precision.name, compiled), save)
+            args, c.device, c.shape, c.micro, c.precision, c.compiled), c.save)
         if doc["profile_nanogpt"]:
             n = doc["profile_nanogpt"]
             print(f"[nanogpt in-process] {n['tok_s']:,.0f} tokens/s ({n['step_ms_median']:.2f} "
                   f"ms a step, busy {n['busy_ms_per_step']:.2f}); profile: {n['file']}")
-    save()
-    print(f"total {doc['total_s']:.0f} s" + (f"; figures in {args.json}" if args.json else ""))
-    return 1 if doc["errors"] else 0
 
 
 def profile_path(args: argparse.Namespace, key: str) -> Path:
