@@ -61,6 +61,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
 
 from lmforge.config import ModelConfig, TrainConfig
+from lmforge.model import loss as loss_module
 from lmforge.model.compiling import before_compile
 from lmforge.model.llama import Llama
 from lmforge.model.loss import LIGER
@@ -590,6 +591,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="torch.compile's mode for the plain step (e.g. reduce-overhead)")
     ap.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                     help="set torch._inductor.config.KEY (a Python literal); repeatable")
+    ap.add_argument("--loss-chunk-elements", type=int, default=None, metavar="N",
+                    help="logits in one chunk of the fused loss's Triton kernel (a variant; "
+                         "default loss.KERNEL_CHUNK_ELEMENTS)")
+    ap.add_argument("--no-cudnn-attention", action="store_true",
+                    help="keep SDPA off cuDNN's attention (flash or memory-efficient)")
     ap.add_argument("--micro", type=int, default=None, help="windows per micro-batch")
     ap.add_argument("--accum", type=int, default=1)
     ap.add_argument("--steps", type=int, default=30, help="timed optimizer steps")
@@ -636,6 +642,16 @@ def resolve_outputs(args: argparse.Namespace, ap: argparse.ArgumentParser) -> No
             if not (Path(args.nanogpt) / name).is_file():
                 ap.error(f"--nanogpt {args.nanogpt}: no {name} there (a checkout of "
                          "karpathy/nanoGPT; bench/RESULTS.md, 'GPU MFU', says how to get one)")
+
+
+def set_variant(args: argparse.Namespace) -> None:
+    """The variants' process-wide knobs: the loss kernel's chunk, SDPA's backends."""
+    if args.loss_chunk_elements:
+        loss_module.KERNEL_CHUNK_ELEMENTS = args.loss_chunk_elements
+        print(f"variant: loss kernel chunk {args.loss_chunk_elements:,} logits")
+    if args.no_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        print("variant: cuDNN attention off")
 
 
 def set_inductor(settings: list[str]) -> None:
@@ -689,7 +705,8 @@ def header(args: argparse.Namespace, device: torch.device, shape: dict, micro: i
             "warmup": args.warmup, "matmul_tflops": ceiling / 1e12,
             "spec_peak_tflops": peak / 1e12 if peak else None,
             "fused_loss": args.fused_loss, "compile_mode": args.compile_mode,
-            "inductor": args.inductor,
+            "inductor": args.inductor, "loss_chunk_elements": args.loss_chunk_elements,
+            "cudnn_attention": not args.no_cudnn_attention,
             "plain": None, "fsdp": None, "nanogpt": None, "ratios": {}, "profile": None,
             "phases_s": {}, "errors": {}}
 
@@ -715,6 +732,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
     set_inductor(args.inductor)
+    set_variant(args)
     device = torch.device(args.device)
     shape = TINY if args.tiny else GPT2_SMALL
     micro = args.micro or (4 if args.tiny or device.type == "cpu" else 16)
