@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import ast
 import gc
+import hashlib
 import json
 import os
 import pickle
@@ -615,6 +616,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", default=None, metavar="FILE", help="every figure, one file")
     ap.add_argument("--out", default=None, metavar="DIR",
                     help="write bench_gpu_mfu.json (and nanogpt.log) here")
+    ap.add_argument("--src-sha256", action="store_true",
+                    help="print this checkout's src_sha256 (as a run's JSON records it), exit")
     ap.add_argument("--all", action="store_true",
                     help="the whole check: plain, fsdp, nanoGPT (--nanogpt, default "
                          ".nanogpt/) and the profile, all written under --out")
@@ -689,6 +692,16 @@ def run_phase(doc: dict, name: str, fn: Callable[[], Any], save: Callable[[], No
         save()
 
 
+def src_digest(root: Path = REPO) -> str:
+    """SHA-256 over the paths and bytes of src/**/*.py: which tree ran, where the copy's
+    ``.git`` may be older than its files (a device machine's copy carries the session's
+    first commit). ``src_sha256`` of a checkout says whether it is the tree that ran."""
+    digest = hashlib.sha256()
+    for path in sorted((root / "src").rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def header(args: argparse.Namespace, device: torch.device, shape: dict, micro: int,
            precision: str, ceiling: float, peak: float | None) -> dict:
     """The JSON's figures of the run itself."""
@@ -698,7 +711,8 @@ def header(args: argparse.Namespace, device: torch.device, shape: dict, micro: i
                                 text=True, check=False).stdout.strip() or None
     except OSError:
         commit = None
-    return {"command": sys.argv, "lmforge_commit": commit, "device": name,
+    return {"command": sys.argv, "lmforge_commit": commit, "src_sha256": src_digest(),
+            "device": name,
             "torch": torch.__version__, "cuda": torch.version.cuda, "shape": shape,
             "micro": micro, "accum": args.accum, "tokens_per_step": micro * args.accum *
             shape["seq_len"], "precision": precision, "steps": args.steps,
@@ -730,6 +744,9 @@ class Check:
 def main(argv: list[str] | None = None) -> int:
     """Run the parts asked for; exit 1 when one of them failed."""
     args = parse_args(argv)
+    if args.src_sha256:
+        print(src_digest())
+        return 0
     t_start = time.perf_counter()
     set_inductor(args.inductor)
     set_variant(args)

@@ -342,3 +342,16 @@ def test_the_plan_beside_the_step_is_of_the_loss_the_step_ran(tmp_path):
         assert ("plain loss" if loss == "false" else "chunked loss") in stdout
         doc = json.loads((out / f"{loss}.json").read_text())
         assert (doc["plain"]["plan"]["loss_buffers"] > 0) is buffers
+
+
+def test_the_src_digest_names_the_tree_that_ran(tmp_path):
+    (tmp_path / "src" / "pkg").mkdir(parents=True)
+    module = tmp_path / "src" / "pkg" / "a.py"
+    module.write_text("x = 1\n")
+    first = bench.src_digest(tmp_path)
+    assert first == bench.src_digest(tmp_path) and len(first) == 64
+    module.write_text("x = 2\n")
+    assert bench.src_digest(tmp_path) != first
+    out = subprocess.run([sys.executable, str(SCRIPT), "--src-sha256"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout.strip()
+    assert out == bench.src_digest()
