@@ -6,10 +6,10 @@ terabyte must not pass through one process). Four maps on the executor:
 
 1. read (a task per input file): the worker streams the file's records into a
    temporary Parquet file of rows, its rejects into another, and the ids, hash-
-   partitioned by id into ``id_buckets`` row groups (row group ``b`` = bucket ``b``),
+   partitioned by id into ``id_buckets`` record batches (batch ``b`` = bucket ``b``),
    into a third.
 2. check ids (a task per bucket): ids must be unique across the corpus. A bucket's task
-   reads its row group of every file's ids and finds each id seen before (in source,
+   reads its batch of every file's ids and finds each id seen before (in source,
    file and record order: the first copy is kept), writes those duplicates to the
    bucket's file and returns how many each input file has.
 3. write parts (a task per output part): ``part-NNNNN.parquet`` holds the kept documents
@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from lmforge.config import IngestConfig, SourceConfig
@@ -137,7 +138,7 @@ def rows_path(work: str | Path, n: int) -> str:
 
 def ids_path(rows: str) -> str:
     """The ids file beside a rows file."""
-    return rows.removesuffix(".parquet") + ".ids.parquet"
+    return rows.removesuffix(".parquet") + ".ids.arrow"
 
 
 def rejects_path(rows: str) -> str:
@@ -223,16 +224,23 @@ def id_bucket(ids: list[str], buckets: int) -> np.ndarray:
 
 
 def write_ids(ids: list[str], lines: list[int], buckets: int, path: str) -> None:
-    """Write a file's ids with their rows and lines, one row group per bucket (empty ones
-    too), so a bucket's task reads its share of every file and nothing else."""
+    """Write a file's ids with their rows and lines, one record batch per bucket (empty
+    ones too), so a bucket's task reads its share of every file and nothing else. Arrow's
+    IPC format, not Parquet: a scratch file read once, at a thirtieth of the cost."""
     bucket = id_bucket(ids, buckets)
     order = np.argsort(bucket, kind="stable")  # record order within a bucket
-    table = pa.table({"id": ids, "row": np.arange(len(ids), dtype=np.int64), "line": lines},
-                     schema=IDS_SCHEMA).take(pa.array(order))
+    batch = pa.record_batch([pa.array(ids, pa.string()).take(order), pa.array(order),
+                             pa.array(lines, pa.int64()).take(order)], schema=IDS_SCHEMA)
     bounds = np.searchsorted(bucket[order], np.arange(buckets + 1))
-    with atomic_path(path) as tmp, pq.ParquetWriter(tmp, IDS_SCHEMA, compression=COMPRESSION) as w:
+    with atomic_path(path) as tmp, ipc.new_file(tmp, IDS_SCHEMA) as w:
         for b in range(buckets):
-            w.write_table(table.slice(bounds[b], bounds[b + 1] - bounds[b]))
+            w.write_batch(batch.slice(bounds[b], bounds[b + 1] - bounds[b]))
+
+
+def read_id_bucket(path: str, bucket: int) -> pa.Table:
+    """Bucket ``bucket`` of an ids file."""
+    with pa.memory_map(path) as f:
+        return pa.Table.from_batches([ipc.open_file(f).get_batch(bucket)])
 
 
 def find_duplicate_ids(task: IdBucketTask) -> dict[int, int]:
@@ -241,7 +249,7 @@ def find_duplicate_ids(task: IdBucketTask) -> dict[int, int]:
     (worker)."""
     tables = []
     for n in range(task.files):
-        t = pq.ParquetFile(ids_path(rows_path(task.work, n))).read_row_group(task.bucket)
+        t = read_id_bucket(ids_path(rows_path(task.work, n)), task.bucket)
         tables.append(t.append_column("file", pa.array(np.full(t.num_rows, n, np.int64))))
     table = pa.concat_tables(tables) if tables else DUPS_SCHEMA.empty_table()
     if table.num_rows < 2:
