@@ -207,45 +207,68 @@ def test_missing_ray_is_one_line(monkeypatch):
         RayExecutor(ExecutorConfig("ray"))
 
 
-def test_two_ray_nodes_on_one_machine_write_the_local_bytes(local_run, tmp_path):
-    """A head and a worker node (ray.cluster_utils.Cluster), one CPU each, in a fresh
-    process (the session's Ray instance is a single node): ingest (ids in 3 buckets)
-    and filter."""
+def on_node(log_dir: str, fn, task):
+    """Run ``fn(task)`` on a Ray worker, leaving a mark of which node ran which function."""
+    node = ray.get_runtime_context().get_node_id()
+    (Path(log_dir) / f"{fn.__name__}@{node}").touch()
+    return fn(task)
+
+
+def test_three_ray_nodes_on_one_machine_write_the_local_bytes(local_run, tmp_path):
+    """A head and two worker nodes (ray.cluster_utils.Cluster), one CPU each, in a fresh
+    process (the session's Ray instance is a single node): every data stage and shards,
+    through their DVC entry points with ``LMFORGE_EXECUTOR=ray``, ids in several buckets;
+    the local run's bytes and counts, and tasks on all three nodes."""
     pytest.importorskip("ray.cluster_utils")  # Ray's own multi-node test harness
     write_demo_slice(tmp_path)  # the same relative paths as the local run's
+    shutil.copytree(local_run / "models", tmp_path / "models")  # the tokenizer stage's output
+    marks = tmp_path / "marks"
+    marks.mkdir()
     script = textwrap.dedent(f"""
-        import json, ray
+        import functools, importlib, json, os, ray
         from ray.cluster_utils import Cluster
-        from lmforge.config import ExecutorConfig, load_params
-        from lmforge.data.filtering import run_filter
-        from lmforge.data.ingest import run_ingest
-        from lmforge.executor import RayExecutor
-        import sys; sys.path.insert(0, {str(REPO / "tests")!r})
-        from test_executor_ray import slice_params
+        import lmforge.executor as executor
+        from lmforge.data import ingest
+        from test_executor_ray import on_node, slice_params
         cluster = Cluster(initialize_head=True, head_node_args={{"num_cpus": 1}})
-        cluster.add_node(num_cpus=1)
+        for _ in range(2):
+            cluster.add_node(num_cpus=1)
         ray.init(address=cluster.address, include_dashboard=False)
+        os.environ.update(LMFORGE_EXECUTOR="ray", RAY_ADDRESS=cluster.address)
+        plain = executor.RayExecutor._run
+        executor.RayExecutor._run = lambda self, fn, tasks: plain(
+            self, functools.partial(on_node, {str(marks)!r}, fn), tasks)
+        ingest.ID_BUCKET_BYTES = 100_000  # several buckets (the local run had one)
         try:
             nodes = [n for n in ray.nodes() if n["Alive"]]
-            executor = RayExecutor(ExecutorConfig("ray", address=cluster.address))
             p = slice_params()
-            ingested = run_ingest(p.ingest, "data/ingested", executor, buckets=3)
-            m = run_filter(p.filter, "data/ingested", "data/filtered", executor=executor)
-            print("RESULT", json.dumps({{"nodes": len(nodes), "ingest": ingested, "filter": m}}))
+            for name in {(*DATA_STAGES, "shards")!r}:
+                importlib.import_module(f"stages.{{name}}").main(p)
+            print("RESULT", json.dumps({{"nodes": len(nodes)}}))
         finally:
             ray.shutdown()
             cluster.shutdown()
     """)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    env.pop("LMFORGE_EXECUTOR", None)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          timeout=300, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-    result = json.loads(line[len("RESULT "):])
-    assert result["nodes"] == 2
-    for stage, out in (("ingest", "ingested"), ("filter", "filtered")):
-        assert tree(tmp_path / "data" / out) == tree(local_run / "data" / out), stage
-        reference = json.loads((local_run / "metrics" / f"{stage}.json").read_text())
-        assert result[stage]["domains"] == reference["domains"], stage
+    assert json.loads(line[len("RESULT "):])["nodes"] == 3
+    local, remote = tree(local_run / "data"), tree(tmp_path / "data")
+    assert sorted(f for f in local if not f.startswith("raw/")) == \
+        sorted(f for f in remote if not f.startswith("raw/"))
+    for name in local:
+        assert local[name] == remote[name], name
+    for stage in (*DATA_STAGES, "shards"):
+        a = json.loads((local_run / "metrics" / f"{stage}.json").read_text())
+        b = json.loads((tmp_path / "metrics" / f"{stage}.json").read_text())
+        assert without_timing(a) == without_timing(b), stage
+    ran = [m.name.split("@") for m in marks.iterdir()]
+    assert len({node for _, node in ran}) == 3, ran
+    assert {"ingest_file", "find_duplicate_ids", "write_part", "filter_part", "write_shard",
+            "encode_piece"} <= {fn for fn, _ in ran}
 
 
 def test_an_unreachable_cluster_is_one_line_in_seconds(monkeypatch):
