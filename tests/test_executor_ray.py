@@ -207,6 +207,18 @@ def test_missing_ray_is_one_line(monkeypatch):
         RayExecutor(ExecutorConfig("ray"))
 
 
+def run_cluster_script(script: str, cwd: Path) -> dict:
+    """Run a script that starts its own Ray cluster in a fresh process (its workers can
+    import this module); return the JSON it prints after ``RESULT``."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    env.pop("LMFORGE_EXECUTOR", None)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, cwd=cwd, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
 def on_node(log_dir: str, fn, task):
     """Run ``fn(task)`` on a Ray worker, leaving a mark of which node ran which function."""
     node = ray.get_runtime_context().get_node_id()
@@ -249,13 +261,7 @@ def test_three_ray_nodes_on_one_machine_write_the_local_bytes(local_run, tmp_pat
             ray.shutdown()
             cluster.shutdown()
     """)
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-    env.pop("LMFORGE_EXECUTOR", None)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-    assert json.loads(line[len("RESULT "):])["nodes"] == 3
+    assert run_cluster_script(script, tmp_path)["nodes"] == 3
     local, remote = tree(local_run / "data"), tree(tmp_path / "data")
     assert sorted(f for f in local if not f.startswith("raw/")) == \
         sorted(f for f in remote if not f.startswith("raw/"))
@@ -269,6 +275,60 @@ def test_three_ray_nodes_on_one_machine_write_the_local_bytes(local_run, tmp_pat
     assert len({node for _, node in ran}) == 3, ran
     assert {"ingest_file", "find_duplicate_ids", "write_part", "filter_part", "write_shard",
             "encode_piece"} <= {fn for fn, _ in ran}
+
+
+def test_a_worker_node_killed_mid_stage_leaves_the_local_bytes(local_run, tmp_path):
+    """Three nodes; the first time a filter task starts on one worker node, that node is
+    removed (its raylet and workers killed). Ray reruns the lost tasks on the others; if
+    they run out of retries the stage is rerun, resuming. Either way: the local bytes."""
+    pytest.importorskip("ray.cluster_utils")
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    script = textwrap.dedent(f"""
+        import functools, json, pathlib, threading, time, ray
+        from ray.cluster_utils import Cluster
+        import lmforge.executor as executor
+        from lmforge.data.filtering import run_filter
+        from test_executor_ray import on_node, slice_params
+        cluster = Cluster(initialize_head=True, head_node_args={{"num_cpus": 1}})
+        doomed = cluster.add_node(num_cpus=1)
+        cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address, include_dashboard=False)
+        plain = executor.RayExecutor._run
+        executor.RayExecutor._run = lambda self, fn, tasks: plain(
+            self, functools.partial(on_node, {str(marks)!r}, fn), tasks)
+        killed = []
+
+        def kill_when_busy():
+            mark = pathlib.Path({str(marks)!r}) / f"filter_part@{{doomed.node_id}}"
+            while not mark.exists():
+                time.sleep(0.01)
+            cluster.remove_node(doomed, allow_graceful=False)
+            killed.append(time.time())
+
+        watcher = threading.Thread(target=kill_when_busy, daemon=True)
+        watcher.start()
+        runs = 0
+        try:
+            cfg = slice_params().filter
+            while True:
+                runs += 1
+                try:
+                    run_filter(cfg, {str(local_run / "data" / "ingested")!r}, "filtered",
+                               executor=executor.RayExecutor(executor.ExecutorConfig("ray")))
+                    break
+                except executor.ExecutorError:
+                    if runs == 3:
+                        raise
+            print("RESULT", json.dumps({{"killed": bool(killed), "runs": runs}}))
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    """)
+    result = run_cluster_script(script, tmp_path)
+    assert result["killed"], "the node was never caught running a filter task"
+    assert tree(tmp_path / "filtered") == tree(local_run / "data" / "filtered")
+    assert not (tmp_path / ".filtered.partial").exists()
 
 
 def test_an_unreachable_cluster_is_one_line_in_seconds(monkeypatch):
