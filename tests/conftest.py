@@ -30,11 +30,14 @@ def ray_cluster():
     """A real Ray instance on this machine (2 CPUs), started once for the session.
 
     Ray's own advice for tests: start-up takes seconds, so share one instance; there is
-    no local mode any more, so tasks run in real worker processes.
+    no local mode any more, so tasks run in real worker processes. ``address="local"``:
+    a new instance of its own, always. Without an address ``ray.init`` joins any Ray
+    already running on the machine, such as the multi-node tests' clusters in the other
+    pytest worker, and then refuses ``num_cpus`` (seen: 5 errors at set-up).
     """
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True,
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True,
                  configure_logging=False)
     yield ray
     ray.shutdown()
