@@ -154,5 +154,22 @@ def report(args: argparse.Namespace, models: list[str], results: list[tuple[str,
         args.out.write_text(json.dumps(figures, indent=2) + "\n")
 
 
+def markdown(paths: list[Path]) -> str:
+    """bench/RESULTS.md's table of committed ``--out`` files, one row each."""
+    lines = ["| requests, clients, queue | answered | 429 | other / lost | wall | requests/s "
+             "(answered/s) | p50 / p99 of answered | server RSS after warm-up → after |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for path in paths:
+        f = json.loads(path.read_text(encoding="utf-8"))
+        outcomes = dict(f["outcomes"])
+        answered, refused = outcomes.pop("200", 0), outcomes.pop("429", 0)
+        lines.append(
+            f"| {f['requests']}, {f['clients']}, queue {f['queue_size']} | {answered} | "
+            f"{refused} | {sum(outcomes.values())} / {f['unanswered']} | {f['wall_s']:.1f} s | "
+            f"{f['requests_per_s']:.1f} ({f['answered_per_s']:.1f}) | {f['p50_s']:.2f} s / "
+            f"{f['p99_s']:.2f} s | {f['rss_mib_before']:.1f} → {f['rss_mib_after']:.1f} MiB |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     main()

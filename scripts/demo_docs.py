@@ -221,11 +221,19 @@ def block_gpu_mfu(found: dict[str, Figures], root: Path) -> str:
     return "\n\n".join(f"**{run.name}**\n\n{table.markdown(run)}" for run in runs) + "\n"
 
 
+def block_serve_load(found: dict[str, Figures], root: Path) -> str:
+    """Issue 48's load runs: bench/bench_serve.py's table of its committed JSONs."""
+    serve = _script(root / "bench/bench_serve.py")
+    names = ("serve_load.json", "serve_load_1000.json", "serve_load_queue32.json")
+    return serve.markdown([root / "bench/results" / n for n in names]) + "\n"
+
+
 BLOCKS: dict[str, Callable[[dict[str, Figures], Path], str]] = {
     "summary": block_summary, "headline": block_headline, "harness": block_harness,
     "post": block_post, "domains": block_domains, "ablation_demo": block_ablation_demo,
     "ablation_large": block_ablation_large, "ablation_nobf": block_ablation_nobf,
-    "dpo_recipes": block_dpo_recipes, "gpu_mfu": block_gpu_mfu}
+    "dpo_recipes": block_dpo_recipes, "gpu_mfu": block_gpu_mfu,
+    "serve_load": block_serve_load}
 
 
 def plan_output(m: re.Match) -> str:

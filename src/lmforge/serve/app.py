@@ -43,8 +43,11 @@ from lmforge.serve.schemas import (
 )
 
 # How often a non-streamed request asks whether its client is still there: a hang-up
-# stops its generation within this (and a token), and frees its place in the queue.
+# stops its generation within this (and a token); a request still waiting for the model
+# asks less often (each ask costs the event loop ~0.1 ms: a full queue of 32 a model asking
+# every 0.1 s cost 9 % of the answers a second on two cores).
 DISCONNECT_POLL_S = 0.1
+WAITING_POLL_S = 1.0
 CLIENT_GONE = 499  # nginx's status for a request its client closed; nobody receives it
 
 
@@ -187,7 +190,8 @@ async def _whole_answer(request: Request, generation: Generation) -> str | None:
 
     async def hung_up() -> None:
         while not await request.is_disconnected():
-            await asyncio.sleep(DISCONNECT_POLL_S)
+            await asyncio.sleep(DISCONNECT_POLL_S if generation.ticket.generating
+                                else WAITING_POLL_S)
 
     answer, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(hung_up())
     try:

@@ -54,6 +54,11 @@ class Ticket:
             raise asyncio.CancelledError("the request was closed while it waited")
         self._locked = True
 
+    @property
+    def generating(self) -> bool:
+        """Whether this request has the model (it is not waiting for it)."""
+        return self._locked
+
     def running(self, worker: asyncio.Future) -> None:
         """The worker generating for this ticket; the place is freed when it ends."""
         self._running = True
