@@ -44,8 +44,8 @@ from lmforge.serve.schemas import (
 
 # How often a non-streamed request asks whether its client is still there: a hang-up
 # stops its generation within this (and a token); a request still waiting for the model
-# asks less often (each ask costs the event loop ~0.1 ms: a full queue of 32 a model asking
-# every 0.1 s cost 9 % of the answers a second on two cores).
+# asks less often: with every request of a full queue (32 a model) asking every 0.1 s, one
+# load run answered 9.3 requests a second against 10.2-10.7 without asking (two cores).
 DISCONNECT_POLL_S = 0.1
 WAITING_POLL_S = 1.0
 CLIENT_GONE = 499  # nginx's status for a request its client closed; nobody receives it
