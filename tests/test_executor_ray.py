@@ -113,10 +113,7 @@ def test_ray_run_writes_the_local_bytes(ray_cluster, local_run, tmp_path, monkey
     assert len([f for f in local if f.startswith("ingested/part-")]) > 4  # many tasks
     for name in local:
         assert local[name] == remote[name], name
-    for stage in (*DATA_STAGES, "shards"):
-        a = json.loads((local_run / "metrics" / f"{stage}.json").read_text())
-        b = json.loads((tmp_path / "metrics" / f"{stage}.json").read_text())
-        assert without_timing(a) == without_timing(b), stage
+    assert_same_metrics(local_run, tmp_path)
     assert not list((tmp_path / "data").glob(".*")), "work directories left behind"
 
 
@@ -226,6 +223,14 @@ def on_node(log_dir: str, fn, task):
     return fn(task)
 
 
+def assert_same_metrics(local_run: Path, other: Path) -> None:
+    """Every data stage's and shards' metrics as the local run's, timings aside."""
+    for stage in (*DATA_STAGES, "shards"):
+        a = json.loads((local_run / "metrics" / f"{stage}.json").read_text())
+        b = json.loads((other / "metrics" / f"{stage}.json").read_text())
+        assert without_timing(a) == without_timing(b), stage
+
+
 def test_three_ray_nodes_on_one_machine_write_the_local_bytes(local_run, tmp_path):
     """A head and two worker nodes (ray.cluster_utils.Cluster), one CPU each, in a fresh
     process (the session's Ray instance is a single node): every data stage and shards,
@@ -267,10 +272,7 @@ def test_three_ray_nodes_on_one_machine_write_the_local_bytes(local_run, tmp_pat
         sorted(f for f in remote if not f.startswith("raw/"))
     for name in local:
         assert local[name] == remote[name], name
-    for stage in (*DATA_STAGES, "shards"):
-        a = json.loads((local_run / "metrics" / f"{stage}.json").read_text())
-        b = json.loads((tmp_path / "metrics" / f"{stage}.json").read_text())
-        assert without_timing(a) == without_timing(b), stage
+    assert_same_metrics(local_run, tmp_path)
     ran = [m.name.split("@") for m in marks.iterdir()]
     assert len({node for _, node in ran}) == 3, ran
     assert {"ingest_file", "find_duplicate_ids", "write_part", "filter_part", "write_shard",
