@@ -5,9 +5,10 @@
 2. Pick a train size per domain to hit ``mix.weights`` (shares measured in characters,
    or estimated tokens), repeating a domain at most ``max_epochs`` times or sampling
    a seeded subset of it.
-3. Shuffle each split globally (seeded) and write parts with a flat-memory
-   scatter/gather: each input part scatters its rows to small bucket files per
-   output part; each output part then gathers and orders its buckets.
+3. Shuffle each split globally (seeded) and write parts in two levels whose tasks'
+   memory is bounded: runs of input parts scatter their rows to one file each, ordered
+   by output group; each group gathers its rows from those files, orders them and
+   writes its parts (see "writing" below).
 """
 
 from __future__ import annotations
@@ -26,10 +27,17 @@ import pyarrow.parquet as pq
 
 from lmforge.config import MixConfig
 from lmforge.data.counts import Counts
-from lmforge.data.records import list_parts, part_name, read_table, repeat_id, write_table
+from lmforge.data.records import (
+    COMPRESSION,
+    list_parts,
+    part_name,
+    read_table,
+    repeat_id,
+    write_table,
+)
 from lmforge.errors import InputError
 from lmforge.executor import Executor, LocalExecutor, PartLog, output_settings
-from lmforge.io import files_fingerprint, resumable_dir
+from lmforge.io import atomic_path, files_fingerprint, resumable_dir
 
 DOWNSAMPLED = "downsampled"
 SPLITS = ("train", "val")
@@ -208,66 +216,165 @@ def trade_in(units: np.ndarray, taken: list[int], skipped: list[int], rest: floa
 
 @dataclass(frozen=True)
 class Placement:
-    """Where each output row comes from (global doc index, repeat) and goes (part, row)."""
+    """Where each output row comes from (global doc index, repeat), in the shuffled order
+    of its split: row ``r`` goes to output part ``r // part_docs``, row ``r % part_docs``."""
 
     doc: np.ndarray
     repeat: np.ndarray
-    part: np.ndarray
-    pos: np.ndarray
 
 
-def place(copies: np.ndarray, part_docs: int, rng: np.random.Generator) -> Placement:
-    """Expand copies into rows, shuffle them globally, cut into parts of part_docs."""
+def place(copies: np.ndarray, rng: np.random.Generator) -> Placement:
+    """Expand copies into rows and shuffle them globally."""
     doc = np.repeat(np.arange(len(copies)), copies)
     repeat = np.concatenate([np.arange(c) for c in copies]) if len(copies) else doc
     perm = rng.permutation(len(doc))
-    rank = np.arange(len(doc))
-    return Placement(doc[perm], repeat[perm].astype(np.int64), rank // part_docs, rank % part_docs)
+    return Placement(doc[perm], repeat[perm].astype(np.int64))
 
 
 # --------------------------------------------------------------------------- writing
+#
+# The shuffle in two levels, each task bounded by SHUFFLE_CHARS: a scatter task reads a
+# run of input parts and writes, per split, ONE file of its rows ordered by output group
+# (a row group per group); a gather task reads its group's row group from every scatter
+# file, orders the rows by their shuffled rank and writes the group's output parts.
+# Intermediate files: one per scatter task and split, so O(input chars / SHUFFLE_CHARS),
+# where one file per (input part, output part) pair grew with documents (~10^8 at 1 TB).
+
+# Characters of text a scatter task reads or a gather task holds, at most (about 1 GB of
+# ASCII text in memory): at 1 TB, ~1,000 scatter files and ~1,000 groups a split.
+SHUFFLE_CHARS = 1 << 30
+# Tasks a level at least, where there are parts enough: small inputs still use the cores.
+MIN_SHUFFLE_TASKS = 16
+
+
+def cut_runs(sizes: np.ndarray, budget: float, min_runs: int) -> list[tuple[int, int]]:
+    """Consecutive runs ``[lo, hi)`` of items, each run's sizes summing to at most
+    ``budget`` and to at most a ``min_runs``-th of the whole (one item alone may pass):
+    so there are at least ``min(min_runs, len(sizes))`` runs when the items allow."""
+    limit = min(budget, float(sizes.sum()) / max(1, min_runs))
+    runs, lo, held = [], 0, 0.0
+    for i, size in enumerate(sizes.tolist()):
+        if i > lo and held + size > limit:
+            runs.append((lo, i))
+            lo, held = i, 0.0
+        held += size
+    if len(sizes):
+        runs.append((lo, len(sizes)))
+    return runs
+
+
+@dataclass(frozen=True)
+class Groups:
+    """One split's output parts cut into gather groups: part ``k`` is in group
+    ``of_part[k]``, group ``g`` holds parts ``[first_part[g], first_part[g + 1])``."""
+
+    first_part: np.ndarray
+    of_part: np.ndarray
+
+    @classmethod
+    def of(cls, pl: Placement, chars: np.ndarray, part_docs: int) -> Groups:
+        """Groups of consecutive output parts by the characters their rows hold."""
+        n_parts = -(-len(pl.doc) // part_docs)
+        part_chars = np.add.reduceat(chars[pl.doc], np.arange(0, len(pl.doc), part_docs)) \
+            if len(pl.doc) else np.zeros(0)
+        runs = cut_runs(part_chars, SHUFFLE_CHARS, MIN_SHUFFLE_TASKS)
+        first = np.array([lo for lo, _ in runs] + [n_parts], dtype=np.int64)
+        return cls(first, np.repeat(np.arange(len(runs)), np.diff(first)))
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The rows of a split one scatter task provides: source document, repeat, rank in
+    the shuffled split and output group."""
+
+    doc: np.ndarray
+    repeat: np.ndarray
+    rank: np.ndarray
+    group: np.ndarray
 
 
 @dataclass(frozen=True)
 class ScatterTask:
-    src: str
-    first_doc: int
-    rows: dict[str, Placement]  # per split: the rows this input part provides
-    bucket_dir: str
-    part_index: int
+    srcs: list[str]
+    first_doc: int  # global index of the first document of srcs[0]
+    rows: dict[str, Rows]  # per split
+    paths: dict[str, str]  # per split: the one file this task writes
 
 
-def scatter_part(task: ScatterTask) -> None:
-    """Copy this part's selected rows to one bucket file per (split, output part)."""
-    table = read_table(task.src)
-    for split, pl in task.rows.items():
-        for out_part in np.unique(pl.part):
-            sel = pl.part == out_part
-            local = pl.doc[sel] - task.first_doc
-            rows = table.take(pa.array(local))
-            ids = [repeat_id(rid, int(r))
-                   for rid, r in zip(rows.column("id").to_pylist(), pl.repeat[sel], strict=True)]
-            rows = rows.set_column(rows.schema.get_field_index("id"), "id", pa.array(ids))
-            rows = rows.append_column("_pos", pa.array(pl.pos[sel]))
-            path = Path(task.bucket_dir) / split / f"{out_part:05d}" / part_name(task.part_index)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_table(rows, path)
+def scatter_batch(task: ScatterTask) -> dict[str, list[int]]:
+    """Write this run of input parts' rows of each split to one file, a row group per
+    output group in group order; return the groups each file holds, in that order."""
+    table = pa.concat_tables(read_table(src) for src in task.srcs)
+    held: dict[str, list[int]] = {}
+    for split, mine in task.rows.items():
+        if not len(mine.doc):
+            held[split] = []
+            continue
+        order = np.argsort(mine.group, kind="stable")
+        rows = table.take(pa.array(mine.doc[order] - task.first_doc))
+        ids = [repeat_id(rid, int(r))
+               for rid, r in zip(rows.column("id").to_pylist(), mine.repeat[order], strict=True)]
+        rows = rows.set_column(rows.schema.get_field_index("id"), "id", pa.array(ids))
+        rows = rows.append_column("_rank", pa.array(mine.rank[order]))
+        groups, starts = np.unique(mine.group[order], return_index=True)
+        bounds = [*starts.tolist(), len(order)]
+        with atomic_path(task.paths[split]) as tmp, \
+                pq.ParquetWriter(tmp, rows.schema, compression=COMPRESSION) as writer:
+            for lo, hi in zip(bounds, bounds[1:], strict=False):
+                writer.write_table(rows.slice(lo, hi - lo), row_group_size=hi - lo)
+        held[split] = groups.tolist()
+    return held
 
 
-def gather_part(args: tuple[str, str]) -> int:
-    """Order one output part's buckets by their shuffled position and write it."""
-    bucket, out = args
-    # Hidden names are temporaries a killed scatter task left behind.
-    files = sorted(p for p in Path(bucket).iterdir() if not p.name.startswith("."))
-    table = pa.concat_tables(pq.read_table(p) for p in files)
-    table = table.take(pc.sort_indices(table.column("_pos"))).drop_columns(["_pos"])
-    write_table(table, out)
+@dataclass(frozen=True)
+class GatherTask:
+    pieces: list[tuple[str, int]]  # (scatter file, row group) holding this group's rows
+    first_rank: int  # rank of the group's first row
+    outs: list[str]  # the group's output parts, in order
+    part_docs: int
+
+
+def gather_group(task: GatherTask) -> int:
+    """Order one group's rows by their shuffled rank and write its output parts."""
+    table = pa.concat_tables(pq.ParquetFile(path).read_row_group(rg) for path, rg in task.pieces)
+    table = table.take(pc.sort_indices(table.column("_rank")))
+    ranks = table.column("_rank").to_numpy()
+    expected = np.arange(task.first_rank, task.first_rank + len(ranks))
+    assert np.array_equal(ranks, expected), f"{task.outs[0]}: the group's rows are not whole"
+    table = table.drop_columns(["_rank"])
+    for k, out in enumerate(task.outs):
+        write_table(table.slice(k * task.part_docs, task.part_docs), out)
     return table.num_rows
 
 
-def _rows_of_part(pl: Placement, lo: int, hi: int) -> Placement:
-    sel = (pl.doc >= lo) & (pl.doc < hi)
-    return Placement(pl.doc[sel], pl.repeat[sel], pl.part[sel], pl.pos[sel])
+def scatter_tasks(plan: MixPlan, parts: list[Path], sizes: list[PartSizes], bucket_dir: Path,
+                  groups: dict[str, Groups], part_docs: int) -> list[ScatterTask]:
+    """One task per run of input parts holding up to SHUFFLE_CHARS characters."""
+    offsets = np.cumsum([0] + [len(s.ids) for s in sizes])
+    in_chars = np.array([float(s.chars.sum()) for s in sizes])
+    tasks = []
+    for b, (lo, hi) in enumerate(cut_runs(in_chars, SHUFFLE_CHARS, MIN_SHUFFLE_TASKS)):
+        rows = {}
+        for split, pl in plan.placements.items():
+            rank = np.flatnonzero((pl.doc >= offsets[lo]) & (pl.doc < offsets[hi]))
+            rows[split] = Rows(pl.doc[rank], pl.repeat[rank], rank,
+                               groups[split].of_part[rank // part_docs])
+        tasks.append(ScatterTask([str(p) for p in parts[lo:hi]], int(offsets[lo]), rows,
+                                 {s: str(bucket_dir / s / part_name(b)) for s in rows}))
+    return tasks
+
+
+def gather_tasks(split: str, groups: Groups, held: list[dict[str, list[int]]],
+                 scatter: list[ScatterTask], out_dir: Path, part_docs: int) -> list[GatherTask]:
+    """One task per group: the row group it has in each scatter file, the parts it writes."""
+    pieces: list[list[tuple[str, int]]] = [[] for _ in range(len(groups.first_part) - 1)]
+    for task, has in zip(scatter, held, strict=True):
+        for rg, g in enumerate(has[split]):
+            pieces[g].append((task.paths[split], rg))
+    bounds = groups.first_part.tolist()
+    return [GatherTask(pieces[g], lo * part_docs,
+                       [str(out_dir / part_name(k)) for k in range(lo, hi)], part_docs)
+            for g, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False))]
 
 
 def read_clusters(path: Path, ids: list[str]) -> list[str]:
@@ -307,20 +414,14 @@ def run_mix(cfg: MixConfig, in_dir: str | Path, out_dir: str | Path,
         sizes = list(executor.map(measure_part, [(str(p), cfg.unit) for p in parts],
                                   "mix: measure", PartLog(done / "measure")))
         plan = plan_mix(cfg, in_dir, sizes)
-        offsets = np.cumsum([0] + [len(s.ids) for s in sizes])
-        buckets = tmp / ".buckets"
-        scatter = [ScatterTask(str(p), int(offsets[k]),
-                               {s: _rows_of_part(pl, offsets[k], offsets[k + 1])
-                                for s, pl in plan.placements.items()}, str(buckets), k)
-                   for k, p in enumerate(parts)]
-        for _ in executor.map(scatter_part, scatter, "mix: scatter", PartLog(done / "scatter")):
-            pass
+        groups = {s: Groups.of(pl, plan.chars, cfg.part_docs) for s, pl in plan.placements.items()}
+        scatter = scatter_tasks(plan, parts, sizes, tmp / ".buckets", groups, cfg.part_docs)
+        held = list(executor.map(scatter_batch, scatter, "mix: scatter", PartLog(done / "scatter")))
         for split, pl in plan.placements.items():
             (tmp / split).mkdir(exist_ok=True)
-            n_parts = int(pl.part.max()) + 1 if len(pl.part) else 0
-            gather = [(str(buckets / split / f"{k:05d}"), str(tmp / split / part_name(k)))
-                      for k in range(n_parts)]
-            written = sum(executor.map(gather_part, gather, f"mix: {split}",
+            gather = gather_tasks(split, groups[split], held, scatter, tmp / split,
+                                  cfg.part_docs)
+            written = sum(executor.map(gather_group, gather, f"mix: {split}",
                                        PartLog(done / split)))
             assert written == len(pl.doc), f"{split}: wrote {written} of {len(pl.doc)} rows"
 
@@ -384,8 +485,8 @@ def plan_mix(cfg: MixConfig, in_dir: Path, sizes: list[PartSizes]) -> MixPlan:
             f"{shortfall_remedies(d, s, cfg, shortfalls)}" for d, s in sorted(too_short.items())))
 
     placements = {
-        "train": place(copies, cfg.part_docs, np.random.default_rng([cfg.seed, 0])),
-        "val": place(is_val.astype(np.int64), cfg.part_docs, np.random.default_rng([cfg.seed, 1])),
+        "train": place(copies, np.random.default_rng([cfg.seed, 0])),
+        "val": place(is_val.astype(np.int64), np.random.default_rng([cfg.seed, 1])),
     }
     return MixPlan(by_domain, is_val, copies, chars, units, targets, shortfalls, placements)
 
