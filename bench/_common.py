@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,3 +22,13 @@ def demo_docs(domains: tuple[str, ...] | None = None) -> list[tuple[str, str]]:
             with gzip.open(f, "rt", encoding="utf-8") as fh:
                 out.extend((d.name, json.loads(line)["text"]) for line in fh)
     return out
+
+
+def checkout_src(rev: str, where: Path) -> Path:
+    """``src/`` of git revision ``rev``, extracted under ``where`` (its PYTHONPATH)."""
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "src"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
+    return where / "src"

@@ -26,7 +26,7 @@ what it adds per document (its RSS; in the traced run its Python heap and Arrow'
 a driver that holds per-part bookkeeping only adds ~0 B/doc; input MB/s/core and
 docs/s/core per stage at x10 on the local pool; the pickled bytes of the tasks and results
 (what Ray's object store and RPCs carry); the mix driver's heap per document and its
-bucket files; whether every run's output tree is byte-identical to local's.
+intermediate files; whether every run's output tree is byte-identical to local's.
 
     .venv/bin/python bench/bench_data_scale.py [--copies 10] [--rounds 2] [--baseline REV]
         [--work /tmp/lmforge_scale] [--out scale.json] [--keep]
@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import DEMO, REPO
+from _common import DEMO, REPO, checkout_src
 
 STAGES = ("ingest", "filter", "dedup", "decontam", "mix", "shards")
 CORES = 2
@@ -450,38 +450,17 @@ def compare_trees(a: Path, b: Path) -> list[str]:
                                     if not filecmp.cmp(a / p, b / p, shallow=False))
 
 
-def mix_driver(deduped: Path) -> dict[str, Any]:
-    """The mix driver's memory per document (Python and numpy heap, traced: the
-    measured sizes of every part, ids and clusters included, and the plan), and how
-    many bucket files its scatter writes."""
-    import tracemalloc
-
-    import numpy as np
-    import pyarrow.parquet as pq
-
-    from lmforge.config import load_params
-    from lmforge.data.mix import measure_part, plan_mix
-    from lmforge.data.records import list_parts
-
-    cfg = load_params(REPO / "params.yaml").mix
-    parts = list_parts(deduped)
-    plan_mix(cfg, deduped, [measure_part((str(p), cfg.unit)) for p in parts])  # imports
-    tracemalloc.start()
-    sizes = [measure_part((str(p), cfg.unit)) for p in parts]
-    plan = plan_mix(cfg, deduped, sizes)
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    offsets = np.cumsum([0] + [len(s.ids) for s in sizes])
-    buckets = out_parts = 0
-    for pl in plan.placements.values():
-        out_parts += int(pl.part.max()) + 1 if len(pl.part) else 0
-        for k in range(len(parts)):
-            sel = (pl.doc >= offsets[k]) & (pl.doc < offsets[k + 1])
-            buckets += len(np.unique(pl.part[sel]))
-    rows = pq.read_metadata(deduped / "clusters.parquet").num_rows
-    return {"docs": int(offsets[-1]), "cluster_rows": rows, "peak_bytes": peak,
-            "bytes_per_doc": round(peak / max(int(offsets[-1]), 1)),
-            "in_parts": len(parts), "out_parts": out_parts, "bucket_files": buckets}
+def mix_driver(mix_input: Path, work: Path) -> dict[str, Any]:
+    """The mix driver traced on ``mix_input`` (bench/bench_mix_driver.py's child: tasks in
+    2 worker processes, tracemalloc on the driver): documents, heap peak, Arrow's peak,
+    intermediate files."""
+    figures = work / "mix_driver.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "LMFORGE_TRACKING": "off"}
+    subprocess.run([sys.executable, str(REPO / "bench" / "bench_mix_driver.py"), "--child",
+                    str(mix_input), str(work / "mix_driver_out"), str(figures)],
+                   env=env, check=True, stderr=subprocess.DEVNULL)
+    shutil.rmtree(work / "mix_driver_out", ignore_errors=True)
+    return json.loads(figures.read_text())
 
 
 def driver_rates(ingested: Path, out: Path) -> dict[str, Any]:
@@ -531,16 +510,6 @@ def ingest_driver_rate(ingested: Path, out: Path) -> dict[str, Any]:
         best = min(best, time.perf_counter() - t)
     shutil.rmtree(out, ignore_errors=True)
     return {"ingest_driver_s": round(best, 3), "ingest_driver_docs": len(seen)}
-
-
-def checkout_src(rev: str, where: Path) -> Path:
-    """``src/`` of git revision ``rev``, extracted under ``where`` (its PYTHONPATH)."""
-    shutil.rmtree(where, ignore_errors=True)
-    where.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "src"],
-                             capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
-    return where / "src"
 
 
 def load() -> str:
@@ -623,7 +592,7 @@ def main() -> None:
                           for s in (1, n)},
         "files": {s: sum(1 for p in ref[s].rglob("*") if p.is_file()) for s in (1, n)},
         "differ": differ,
-        "mix_driver": {s: mix_driver(ref[s] / "decontam") for s in (1, n)},
+        "mix_driver": {s: mix_driver(ref[s] / "decontam", work) for s in (1, n)},
         "driver_rates": driver_rates(ref[n] / "ingested", work / "driver_probe"),
         "dedup_id_domain_bytes_per_doc": round(
             sum(pc.sum(pc.binary_length(clusters.column(c))).as_py() + 4 * len(clusters)
@@ -736,16 +705,11 @@ def print_report(r: dict[str, Any], n: int) -> None:
           f"near duplicates (x1: {d1['total']['in']} in, {d1['exact_dups']} exact + "
           f"{d1['near_dups']} near)")
     m1, m = r["mix_driver"][1], r["mix_driver"][n]
-    # peak = a x docs + b x cluster rows (clusters.parquet: one row per document dedup read)
-    b = ((m["peak_bytes"] / m["docs"] - m1["peak_bytes"] / m1["docs"])
-         / (m["cluster_rows"] / m["docs"] - m1["cluster_rows"] / m1["docs"]))
-    a = m["peak_bytes"] / m["docs"] - b * m["cluster_rows"] / m["docs"]
-    print(f"mix driver heap (traced peak): x1 {m1['bytes_per_doc']} B/doc ({m1['docs']} docs, "
-          f"{m1['cluster_rows']} cluster rows), x{n} {m['bytes_per_doc']} B/doc ({m['docs']} "
-          f"docs, {m['cluster_rows']} rows): ~{a:.0f} B/doc + {b:.0f} B/cluster row")
-    for s, mm in ((1, m1), (n, m)):
-        print(f"mix scatter x{s}: {mm['bucket_files']} bucket files ({mm['in_parts']} parts in, "
-              f"{mm['out_parts']} out)")
+    grow = (m["peak_bytes"] - m1["peak_bytes"]) / (m["docs"] - m1["docs"])
+    print(f"mix driver heap (traced peak, tasks in 2 worker processes): x1 "
+          f"{m1['peak_bytes'] / 2**20:.1f} MiB ({m1['docs']} docs), x{n} "
+          f"{m['peak_bytes'] / 2**20:.1f} MiB ({m['docs']} docs): {grow:.0f} B/doc added; "
+          f"intermediate files x1 {m1['intermediate_files']}, x{n} {m['intermediate_files']}")
     dr = r["driver_rates"]
     mb = inputs[n]["ingest"][1] / 1e6
     if "ingest_driver_s" in dr:

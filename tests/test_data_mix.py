@@ -127,14 +127,14 @@ def test_val_takes_enough_of_every_domain_to_measure_it():
     rng_data = np.random.default_rng(0)
     n = 400
     chars = rng_data.integers(500, 1500, n).astype(np.int64)
-    clusters = [f"c{i // 2}" for i in range(n)]  # pairs of near-duplicates
+    clusters = np.arange(n) // 2  # pairs of near-duplicates (their clusters' ranks)
     idx = np.arange(n)
     cfg = MixConfig(weights={"a": 1.0}, val_fraction=0.01, min_val_docs=20,
                     min_val_chars=60_000, max_val_fraction=0.5)
     val = split_val(idx, clusters, chars, cfg, np.random.default_rng(1))
     assert val.sum() >= 20 and chars[val].sum() >= 60_000
     assert chars[val].sum() - 2 * chars.max() < 60_000  # no more than needed
-    for c in set(clusters):  # a cluster never straddles the split
+    for c in set(clusters.tolist()):  # a cluster never straddles the split
         assert len({bool(val[i]) for i in idx if clusters[i] == c}) == 1
     small = split_val(idx[:30], clusters, chars, cfg, np.random.default_rng(1))
     assert small.sum() <= 15  # max_val_fraction of 30 documents
@@ -331,12 +331,22 @@ def test_the_demo_corpus_sample_is_unchanged(tmp_path, monkeypatch):
                 ids.append(json.loads(line)["id"])
                 domains.append(path.parent.name)
                 chars.append(len(json.loads(line)["text"]))
-    units = np.array(chars, dtype=np.float64)
-    sizes = [mix.PartSizes(ids, domains, np.array(chars, dtype=np.int64), units)]
+    names = sorted(set(domains))
+    codes = np.array([names.index(d) for d in domains], dtype=np.int16)
+    # No clusters: each document is its own, ranked by its id within its domain.
+    rank = np.zeros(len(ids), dtype=np.int64)
+    for k in range(len(names)):
+        idx = np.flatnonzero(codes == k)
+        rank[idx[np.argsort([ids[i] for i in idx])]] = np.arange(len(idx))
+
+    def docs() -> mix.Docs:
+        return mix.Docs(names, codes, np.array(chars, dtype=np.int64), None, rank.copy(),
+                        [len(ids)])
+
     cfg = load_params(REPO / "params.yaml").mix
-    new = mix.plan_mix(cfg, tmp_path, sizes)
+    new = mix.plan_mix(cfg, docs(), tmp_path)
     monkeypatch.setattr(mix, "sample_copies", old_sample_copies)
-    old = mix.plan_mix(cfg, tmp_path, sizes)
+    old = mix.plan_mix(cfg, docs(), tmp_path)
     assert len(new.by_domain) == 6 and np.array_equal(new.copies, old.copies)
     assert new.shortfalls == old.shortfalls
 

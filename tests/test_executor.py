@@ -186,7 +186,8 @@ def test_mix_resumes_after_an_interrupt_in_each_step(ingested):
     root, p = ingested
     full = Counting()
     whole = run_mix(p.mix, "data/ingested", "whole", full)
-    for step, after in (("measure_part", 3), ("scatter_batch", 2), ("gather_group", 1)):
+    for step, after in (("measure_run", 3), ("join_names", 2), ("rank_range", 1),
+                        ("scatter_batch", 2), ("gather_group", 1)):
         with pytest.raises(KeyboardInterrupt):
             run_mix(p.mix, "data/ingested", "resumed", Interrupted(step, after))
         rerun = Counting()

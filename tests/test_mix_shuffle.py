@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from test_data_mix import cfg, make_corpus
 
-from lmforge.data import mix
-from lmforge.data.mix import cut_runs, run_mix
+from lmforge.data import mix_measure, mix_shuffle
+from lmforge.data.mix import run_mix
+from lmforge.data.mix_shuffle import cut_runs
 from lmforge.executor import LocalExecutor
 
 
@@ -48,8 +49,10 @@ def test_the_bytes_do_not_depend_on_how_the_shuffle_is_cut(tmp_path, monkeypatch
     output is the same file for file, byte for byte."""
     make_corpus(tmp_path / "in")
     run_mix(cfg(part_docs=part_docs), tmp_path / "in", tmp_path / "ref")
-    monkeypatch.setattr(mix, "SHUFFLE_CHARS", budget)
-    monkeypatch.setattr(mix, "MIN_SHUFFLE_TASKS", min_tasks)
+    monkeypatch.setattr(mix_shuffle, "SHUFFLE_CHARS", budget)
+    monkeypatch.setattr(mix_shuffle, "MIN_SHUFFLE_TASKS", min_tasks)
+    monkeypatch.setattr(mix_measure, "MIN_SHUFFLE_TASKS", min_tasks)
+    monkeypatch.setattr(mix_measure, "RUN_BYTES", budget / 4)  # several parts a run, or one
     run_mix(cfg(part_docs=part_docs), tmp_path / "in", tmp_path / "cut")
     ref = tree_bytes(tmp_path / "ref")
     assert len(ref) > 3 and tree_bytes(tmp_path / "cut") == ref
@@ -69,7 +72,8 @@ class StopAtGather(LocalExecutor):
             self.scatter_tasks = len(tasks)
             for task in tasks:  # each task reads no more than the budget, unless one part does
                 assert len(task.srcs) == 1 or sum(
-                    mix.measure_part((s, "chars")).chars.sum() for s in task.srcs) <= mix.SHUFFLE_CHARS
+                    mix_measure.measure_part((s, "chars")).chars.sum() for s in task.srcs
+                ) <= mix_shuffle.SHUFFLE_CHARS
         return super()._run(fn, tasks)
 
 
@@ -77,8 +81,8 @@ def test_intermediate_files_follow_scatter_tasks_not_output_parts(tmp_path, monk
     """One file per scatter task and split, however many output parts: the per-pair
     bucket files (input parts x output parts) grew with the documents."""
     make_corpus(tmp_path / "in", per_part=20)  # 24 input parts
-    monkeypatch.setattr(mix, "SHUFFLE_CHARS", 60_000)  # several input parts per task
-    monkeypatch.setattr(mix, "MIN_SHUFFLE_TASKS", 1)
+    monkeypatch.setattr(mix_shuffle, "SHUFFLE_CHARS", 60_000)  # several input parts per task
+    monkeypatch.setattr(mix_shuffle, "MIN_SHUFFLE_TASKS", 1)
     executor = StopAtGather()
     with pytest.raises(KeyboardInterrupt):
         run_mix(cfg(part_docs=3), tmp_path / "in", tmp_path / "out", executor)

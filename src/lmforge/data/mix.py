@@ -8,13 +8,17 @@
 3. Shuffle each split globally (seeded) and write parts in two levels whose tasks'
    memory is bounded: runs of input parts scatter their rows to one file each, ordered
    by output group; each group gathers its rows from those files, orders them and
-   writes its parts (see "writing" below).
+   writes its parts (``mix_shuffle``).
+
+The driver plans from a few bytes a document: tasks measure the parts
+(``mix_measure``) and rank every document's near-duplicate cluster within its domain
+(``mix_ranks``), so no id, cluster name or text reaches it.
 """
 
 from __future__ import annotations
 
 import math
-import re
+import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,57 +26,27 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from lmforge.config import MixConfig
 from lmforge.data.counts import Counts
-from lmforge.data.records import (
-    COMPRESSION,
-    list_parts,
-    part_name,
-    read_table,
-    repeat_id,
-    write_table,
+from lmforge.data.mix_measure import measure_run, measure_tasks
+from lmforge.data.mix_ranks import cluster_ranks
+from lmforge.data.mix_shuffle import (
+    Groups,
+    Placement,
+    gather_group,
+    gather_tasks,
+    place,
+    scatter_batch,
+    scatter_tasks,
 )
+from lmforge.data.records import list_parts, read_table
 from lmforge.errors import InputError
 from lmforge.executor import Executor, LocalExecutor, PartLog, output_settings
-from lmforge.io import atomic_path, files_fingerprint, resumable_dir
+from lmforge.io import files_fingerprint, resumable_dir
 
 DOWNSAMPLED = "downsampled"
 SPLITS = ("train", "val")
-_CJK = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
-
-
-# --------------------------------------------------------------------------- pass 1
-
-
-@dataclass
-class PartSizes:
-    ids: list[str]
-    domains: list[str]
-    chars: np.ndarray
-    units: np.ndarray
-
-
-def estimate_tokens(text: str) -> float:
-    """A tokenizer-free token estimate: one per CJK character, one per 4 other characters."""
-    cjk = len(_CJK.findall(text))
-    return cjk + (len(text) - cjk) / 4
-
-
-def measure_part(args: tuple[str, str]) -> PartSizes:
-    """Ids, domains, characters and mixing units of one part's documents (worker)."""
-    path, unit = args
-    table = read_table(path, columns=["id", "domain", "text"])
-    chars = pc.utf8_length(table.column("text")).to_numpy().astype(np.int64)
-    if unit == "chars":
-        units = chars.astype(np.float64)
-    else:
-        units = np.array([estimate_tokens(t) for t in table.column("text").to_pylist()],
-                         dtype=np.float64)
-    return PartSizes(table.column("id").to_pylist(), table.column("domain").to_pylist(),
-                     chars, units)
 
 
 # --------------------------------------------------------------------------- planning
@@ -83,11 +57,13 @@ def domain_rng(seed: int, domain: str, purpose: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(domain.encode()), zlib.crc32(purpose.encode())])
 
 
-def split_val(doc_idx: np.ndarray, clusters: list[str], chars: np.ndarray, cfg: MixConfig,
-              rng: np.random.Generator) -> np.ndarray:
+def split_val(doc_idx: np.ndarray, cluster_rank: np.ndarray, chars: np.ndarray,
+              cfg: MixConfig, rng: np.random.Generator) -> np.ndarray:
     """A boolean val mask over one domain's documents, taking whole clusters at a time.
 
-    Val gets at least ``max(min_val_docs, val_fraction * n)`` documents and
+    ``cluster_rank``: each document's cluster, as the rank of its name among the
+    domain's cluster names, sorted (``mix_ranks``): the clusters are shuffled from that
+    order. Val gets at least ``max(min_val_docs, val_fraction * n)`` documents and
     ``min_val_chars`` characters, so every domain's val loss rests on enough text to
     measure, but never more than ``max_val_fraction`` of the documents (a cluster that
     would pass that cap is left in train), and never all of them (train keeps at least
@@ -96,17 +72,17 @@ def split_val(doc_idx: np.ndarray, clusters: list[str], chars: np.ndarray, cfg: 
     n = len(doc_idx)
     want_docs = max(cfg.min_val_docs, math.ceil(cfg.val_fraction * n))
     cap = max(1, math.floor(cfg.max_val_fraction * n))
-    members: dict[str, list[int]] = {}
-    for pos, i in enumerate(doc_idx):
-        members.setdefault(clusters[i], []).append(pos)
-    order = sorted(members)
-    rng.shuffle(order)
+    ranks = cluster_rank[doc_idx]
+    members = np.argsort(ranks, kind="stable")  # positions by cluster, in order within one
+    first = np.concatenate([[0], np.cumsum(np.bincount(ranks))]) if n else np.zeros(1, int)
+    order = np.arange(len(first) - 1)
+    rng.shuffle(order)  # as shuffling the sorted names: the same permutation
     val = np.zeros(n, dtype=bool)
     docs = taken_chars = 0
-    for cluster in order[:-1]:  # the last cluster always stays in train
+    for cluster in order[:-1].tolist():  # the last cluster always stays in train
         if docs >= want_docs and taken_chars >= cfg.min_val_chars:
             break
-        pos = members[cluster]
+        pos = members[first[cluster]:first[cluster + 1]]
         if docs + len(pos) > cap:
             continue
         val[pos] = True
@@ -214,176 +190,60 @@ def trade_in(units: np.ndarray, taken: list[int], skipped: list[int], rest: floa
     return None
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where each output row comes from (global doc index, repeat), in the shuffled order
-    of its split: row ``r`` goes to output part ``r // part_docs``, row ``r % part_docs``."""
+@dataclass
+class Docs:
+    """Every input document as the plan needs it, in input order: no id, no text."""
 
-    doc: np.ndarray
-    repeat: np.ndarray
+    domains: list[str]  # sorted
+    codes: np.ndarray  # per document: its domain's index in ``domains``
+    chars: np.ndarray
+    units: np.ndarray | None  # mixing units; None when they are the characters
+    cluster_rank: np.ndarray | None  # per document: its cluster within its domain
+    part_docs: list[int]  # documents per input part
 
+    def mix_units(self) -> np.ndarray:
+        """Each document's mixing units (float64: every sum is the same float)."""
+        return self.units if self.units is not None else self.chars.astype(np.float64)
 
-def place(copies: np.ndarray, rng: np.random.Generator) -> Placement:
-    """Expand copies into rows and shuffle them globally."""
-    doc = np.repeat(np.arange(len(copies)), copies)
-    repeat = np.concatenate([np.arange(c) for c in copies]) if len(copies) else doc
-    perm = rng.permutation(len(doc))
-    return Placement(doc[perm], repeat[perm].astype(np.int64))
-
-
-# --------------------------------------------------------------------------- writing
-#
-# The shuffle in two levels, each task bounded by SHUFFLE_CHARS: a scatter task reads a
-# run of input parts and writes, per split, ONE file of its rows ordered by output group
-# (a row group per group); a gather task reads its group's row group from every scatter
-# file, orders the rows by their shuffled rank and writes the group's output parts.
-# Intermediate files: one per scatter task and split, so O(input chars / SHUFFLE_CHARS),
-# where one file per (input part, output part) pair grew with documents (~10^8 at 1 TB).
-
-# Characters of text a scatter task reads or a gather task holds, at most (about 1 GB of
-# ASCII text in memory): at 1 TB, ~1,000 scatter files and ~1,000 groups a split.
-SHUFFLE_CHARS = 1 << 30
-# Tasks a level at least, where there are parts enough: small inputs still use the cores.
-MIN_SHUFFLE_TASKS = 16
+    def pop_ranks(self) -> np.ndarray:
+        """The cluster ranks, let go of here: only the val split needs them."""
+        ranks, self.cluster_rank = self.cluster_rank, None
+        assert ranks is not None, "the cluster ranks were used already"
+        return ranks
 
 
-def cut_runs(sizes: np.ndarray, budget: float, min_runs: int) -> list[tuple[int, int]]:
-    """Consecutive runs ``[lo, hi)`` of items, each run's sizes summing to at most
-    ``budget`` and to at most a ``min_runs``-th of the whole (one item alone may pass):
-    so there are at least ``min(min_runs, len(sizes))`` runs when the items allow."""
-    limit = min(budget, float(sizes.sum()) / max(1, min_runs))
-    runs, lo, held = [], 0, 0.0
-    for i, size in enumerate(sizes.tolist()):
-        if i > lo and held + size > limit:
-            runs.append((lo, i))
-            lo, held = i, 0.0
-        held += size
-    if len(sizes):
-        runs.append((lo, len(sizes)))
-    return runs
+def measure_docs(executor: Executor, parts: list[Path], unit: str, in_dir: Path, work: Path,
+                 done: Path | None = None) -> Docs:
+    """Measure every part and rank every document's cluster, by tasks (``work``: their
+    scratch files; ``done``: their completion log, for a rerun after a kill)."""
+    tasks = measure_tasks(parts, unit, work)
+    measured = list(executor.map(measure_run, tasks, "mix: measure",
+                                 PartLog(done / "measure") if done else None))
+    sizes = [part for m in measured for part in m.parts]
+    run_docs = [sum(len(part.chars) for part in m.parts) for m in measured]
+    names = sorted({d for part in sizes for d in part.domains})
+    code_of = {d: k for k, d in enumerate(names)}
+    part_docs = [len(part.chars) for part in sizes]
+    codes = _concat([np.array([code_of[d] for d in part.domains], dtype=np.int16)[part.codes]
+                     for part in sizes], np.int16)
+    chars = _concat([part.chars for part in sizes], np.int64)
+    units = None if unit == "chars" else _concat([part.units for part in sizes], np.float64)
+    for part in sizes:  # each part's own arrays go as the whole ones are made
+        part.codes = part.chars = part.units = np.zeros(0)
+    ranks = cluster_ranks(executor, [(t.keys, m.buckets) for t, m in zip(tasks, measured, strict=True)],
+                          [key for m in measured for key in m.samples], in_dir / "clusters.parquet",
+                          tasks[0].buckets if tasks else 1, np.cumsum([0, *run_docs]), work, done)
+    return Docs(names, codes, chars, units, ranks, part_docs)
 
 
-@dataclass(frozen=True)
-class Groups:
-    """One split's output parts cut into gather groups: part ``k`` is in group
-    ``of_part[k]``, group ``g`` holds parts ``[first_part[g], first_part[g + 1])``."""
-
-    first_part: np.ndarray
-    of_part: np.ndarray
-
-    @classmethod
-    def of(cls, pl: Placement, chars: np.ndarray, part_docs: int) -> Groups:
-        """Groups of consecutive output parts by the characters their rows hold."""
-        n_parts = -(-len(pl.doc) // part_docs)
-        part_chars = np.add.reduceat(chars[pl.doc], np.arange(0, len(pl.doc), part_docs)) \
-            if len(pl.doc) else np.zeros(0)
-        runs = cut_runs(part_chars, SHUFFLE_CHARS, MIN_SHUFFLE_TASKS)
-        first = np.array([lo for lo, _ in runs] + [n_parts], dtype=np.int64)
-        return cls(first, np.repeat(np.arange(len(runs)), np.diff(first)))
+def _concat(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype)
 
 
-@dataclass(frozen=True)
-class Rows:
-    """The rows of a split one scatter task provides: source document, repeat, rank in
-    the shuffled split and output group."""
-
-    doc: np.ndarray
-    repeat: np.ndarray
-    rank: np.ndarray
-    group: np.ndarray
-
-
-@dataclass(frozen=True)
-class ScatterTask:
-    srcs: list[str]
-    first_doc: int  # global index of the first document of srcs[0]
-    rows: dict[str, Rows]  # per split
-    paths: dict[str, str]  # per split: the one file this task writes
-
-
-def scatter_batch(task: ScatterTask) -> dict[str, list[int]]:
-    """Write this run of input parts' rows of each split to one file, a row group per
-    output group in group order; return the groups each file holds, in that order."""
-    table = pa.concat_tables(read_table(src) for src in task.srcs)
-    held: dict[str, list[int]] = {}
-    for split, mine in task.rows.items():
-        if not len(mine.doc):
-            held[split] = []
-            continue
-        order = np.argsort(mine.group, kind="stable")
-        rows = table.take(pa.array(mine.doc[order] - task.first_doc))
-        ids = [repeat_id(rid, int(r))
-               for rid, r in zip(rows.column("id").to_pylist(), mine.repeat[order], strict=True)]
-        rows = rows.set_column(rows.schema.get_field_index("id"), "id", pa.array(ids))
-        rows = rows.append_column("_rank", pa.array(mine.rank[order]))
-        groups, starts = np.unique(mine.group[order], return_index=True)
-        bounds = [*starts.tolist(), len(order)]
-        with atomic_path(task.paths[split]) as tmp, \
-                pq.ParquetWriter(tmp, rows.schema, compression=COMPRESSION) as writer:
-            for lo, hi in zip(bounds, bounds[1:], strict=False):
-                writer.write_table(rows.slice(lo, hi - lo), row_group_size=hi - lo)
-        held[split] = groups.tolist()
-    return held
-
-
-@dataclass(frozen=True)
-class GatherTask:
-    pieces: list[tuple[str, int]]  # (scatter file, row group) holding this group's rows
-    first_rank: int  # rank of the group's first row
-    outs: list[str]  # the group's output parts, in order
-    part_docs: int
-
-
-def gather_group(task: GatherTask) -> int:
-    """Order one group's rows by their shuffled rank and write its output parts."""
-    table = pa.concat_tables(pq.ParquetFile(path).read_row_group(rg) for path, rg in task.pieces)
-    table = table.take(pc.sort_indices(table.column("_rank")))
-    ranks = table.column("_rank").to_numpy()
-    expected = np.arange(task.first_rank, task.first_rank + len(ranks))
-    assert np.array_equal(ranks, expected), f"{task.outs[0]}: the group's rows are not whole"
-    table = table.drop_columns(["_rank"])
-    for k, out in enumerate(task.outs):
-        write_table(table.slice(k * task.part_docs, task.part_docs), out)
-    return table.num_rows
-
-
-def scatter_tasks(plan: MixPlan, parts: list[Path], sizes: list[PartSizes], bucket_dir: Path,
-                  groups: dict[str, Groups], part_docs: int) -> list[ScatterTask]:
-    """One task per run of input parts holding up to SHUFFLE_CHARS characters."""
-    offsets = np.cumsum([0] + [len(s.ids) for s in sizes])
-    in_chars = np.array([float(s.chars.sum()) for s in sizes])
-    tasks = []
-    for b, (lo, hi) in enumerate(cut_runs(in_chars, SHUFFLE_CHARS, MIN_SHUFFLE_TASKS)):
-        rows = {}
-        for split, pl in plan.placements.items():
-            rank = np.flatnonzero((pl.doc >= offsets[lo]) & (pl.doc < offsets[hi]))
-            rows[split] = Rows(pl.doc[rank], pl.repeat[rank], rank,
-                               groups[split].of_part[rank // part_docs])
-        tasks.append(ScatterTask([str(p) for p in parts[lo:hi]], int(offsets[lo]), rows,
-                                 {s: str(bucket_dir / s / part_name(b)) for s in rows}))
-    return tasks
-
-
-def gather_tasks(split: str, groups: Groups, held: list[dict[str, list[int]]],
-                 scatter: list[ScatterTask], out_dir: Path, part_docs: int) -> list[GatherTask]:
-    """One task per group: the row group it has in each scatter file, the parts it writes."""
-    pieces: list[list[tuple[str, int]]] = [[] for _ in range(len(groups.first_part) - 1)]
-    for task, has in zip(scatter, held, strict=True):
-        for rg, g in enumerate(has[split]):
-            pieces[g].append((task.paths[split], rg))
-    bounds = groups.first_part.tolist()
-    return [GatherTask(pieces[g], lo * part_docs,
-                       [str(out_dir / part_name(k)) for k in range(lo, hi)], part_docs)
-            for g, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False))]
-
-
-def read_clusters(path: Path, ids: list[str]) -> list[str]:
-    """The dedup cluster of every document (its own id when it is in no cluster table)."""
-    if not path.is_file():
-        return list(ids)
-    table = read_table(path, columns=["id", "cluster"])
-    cluster_of = dict(zip(table.column("id").to_pylist(), table.column("cluster").to_pylist(), strict=True))
-    return [cluster_of.get(i, i) for i in ids]
+def ids_at(task: tuple[str, np.ndarray]) -> list[str]:
+    """The ids of one part's documents at the given positions (worker)."""
+    path, positions = task
+    return read_table(path, columns=["id"]).column("id").take(pa.array(positions)).to_pylist()
 
 
 def val_ids(cfg: MixConfig, in_dir: str | Path, executor: Executor | None = None) -> set[str]:
@@ -391,11 +251,14 @@ def val_ids(cfg: MixConfig, in_dir: str | Path, executor: Executor | None = None
     what is not training text, for the decontamination check."""
     in_dir = Path(in_dir)
     executor = executor or LocalExecutor(cfg.num_workers)
-    sizes = list(executor.map(measure_part, [(str(p), cfg.unit) for p in list_parts(in_dir)],
-                              "mix: measure"))
-    plan = plan_mix(cfg, in_dir, sizes)
-    ids = [i for s in sizes for i in s.ids]
-    return {ids[k] for k in np.flatnonzero(plan.is_val)}
+    parts = list_parts(in_dir)
+    with tempfile.TemporaryDirectory(prefix=".mix-plan-", dir=in_dir.parent) as work:
+        docs = measure_docs(executor, parts, cfg.unit, in_dir, Path(work))
+    plan = plan_mix(cfg, docs, in_dir)
+    first = np.cumsum([0, *docs.part_docs])
+    tasks = [(str(p), np.flatnonzero(plan.is_val[first[k]:first[k + 1]]))
+             for k, p in enumerate(parts)]
+    return {i for ids in executor.map(ids_at, tasks, "mix: val ids") for i in ids}
 
 
 def run_mix(cfg: MixConfig, in_dir: str | Path, out_dir: str | Path,
@@ -411,28 +274,27 @@ def run_mix(cfg: MixConfig, in_dir: str | Path, out_dir: str | Path,
     inputs = [*parts, in_dir / "clusters.parquet"] if (in_dir / "clusters.parquet").is_file() else parts
     with resumable_dir(out_dir, files_fingerprint(inputs, "mix", cfg)) as tmp:
         done = tmp / ".done"
-        sizes = list(executor.map(measure_part, [(str(p), cfg.unit) for p in parts],
-                                  "mix: measure", PartLog(done / "measure")))
-        plan = plan_mix(cfg, in_dir, sizes)
-        groups = {s: Groups.of(pl, plan.chars, cfg.part_docs) for s, pl in plan.placements.items()}
-        scatter = scatter_tasks(plan, parts, sizes, tmp / ".buckets", groups, cfg.part_docs)
-        held = list(executor.map(scatter_batch, scatter, "mix: scatter", PartLog(done / "scatter")))
-        for split, pl in plan.placements.items():
-            (tmp / split).mkdir(exist_ok=True)
-            gather = gather_tasks(split, groups[split], held, scatter, tmp / split,
-                                  cfg.part_docs)
-            written = sum(executor.map(gather_group, gather, f"mix: {split}",
-                                       PartLog(done / split)))
-            assert written == len(pl.doc), f"{split}: wrote {written} of {len(pl.doc)} rows"
+        docs = measure_docs(executor, parts, cfg.unit, in_dir, tmp / ".plan", done)
+        plan = plan_mix(cfg, docs, in_dir)
+        write_splits(executor, plan, docs, parts, cfg.part_docs, tmp, done)
+    return plan.metrics
 
-    metrics = _metrics(plan.by_domain, plan.is_val, plan.copies, plan.chars, plan.units,
-                       plan.targets, cfg)
-    for d, short in plan.shortfalls.items():
-        metrics["domains"][d]["shortfall"] = short["shortfall"]
-    # Domains short of their asked share by more than REPORT_SHORTFALL: asked vs got.
-    metrics["shortfalls"] = {d: s for d, s in sorted(plan.shortfalls.items())
-                             if s["shortfall"] > REPORT_SHORTFALL}
-    return metrics
+
+def write_splits(executor: Executor, plan: MixPlan, docs: Docs, parts: list[Path],
+                 part_docs: int, tmp: Path, done: Path) -> None:
+    """Shuffle the planned rows into ``tmp``/{train,val} (``mix_shuffle``)."""
+    groups = {s: Groups.of(pl, docs.chars, part_docs) for s, pl in plan.placements.items()}
+    first = np.cumsum([0, *docs.part_docs])
+    part_chars = np.array([float(docs.chars[a:b].sum())
+                           for a, b in zip(first, first[1:], strict=False)])
+    scatter = scatter_tasks(plan.placements, groups, parts, docs.part_docs, part_chars,
+                            tmp / ".buckets", part_docs)
+    held = list(executor.map(scatter_batch, scatter, "mix: scatter", PartLog(done / "scatter")))
+    for split, pl in plan.placements.items():
+        (tmp / split).mkdir(exist_ok=True)
+        gather = gather_tasks(split, groups[split], held, scatter, tmp / split, part_docs)
+        written = sum(executor.map(gather_group, gather, f"mix: {split}", PartLog(done / split)))
+        assert written == pl.rows, f"{split}: wrote {written} of {pl.rows} rows"
 
 
 @dataclass
@@ -441,34 +303,34 @@ class MixPlan:
 
     by_domain: dict[str, np.ndarray]  # document indices per domain
     is_val: np.ndarray  # bool
-    copies: np.ndarray  # int64 train copies (0 for val)
-    chars: np.ndarray
-    units: np.ndarray
-    targets: dict[str, float]  # train units asked per domain
+    copies: np.ndarray  # train copies (0 for val)
     shortfalls: dict[str, dict[str, float]]
+    metrics: dict[str, Any]  # the stage's metrics (metrics/mix.json)
     placements: dict[str, Placement]  # per split: where each row goes
 
 
-def plan_mix(cfg: MixConfig, in_dir: Path, sizes: list[PartSizes]) -> MixPlan:
-    """The val split, each train document's copies and the shuffled placement of rows;
-    an InputError when a domain has no weight or falls too far short."""
-    ids = [i for s in sizes for i in s.ids]
-    domains = np.array([d for s in sizes for d in s.domains], dtype=object)
-    chars = np.concatenate([s.chars for s in sizes])
-    units = np.concatenate([s.units for s in sizes])
-    clusters = read_clusters(in_dir / "clusters.parquet", ids)
-    missing = sorted(set(domains.tolist()) - set(cfg.weights))
+def plan_mix(cfg: MixConfig, docs: Docs, in_dir: Path) -> MixPlan:
+    """The val split, each train document's copies, the metrics and the shuffled
+    placement of rows; an InputError when a domain has no weight or falls too far short.
+    Takes ``docs``' cluster ranks (``Docs.pop_ranks``): the driver's memory at the
+    shuffle's planning is what every document costs the plan, so each array goes once
+    used."""
+    missing = sorted(set(docs.domains) - set(cfg.weights))
     if missing:
         raise InputError(f"{in_dir}: domain(s) {', '.join(missing)} have no mix.weights entry")
 
-    check_weighted_domains(cfg, set(domains.tolist()), in_dir)
+    check_weighted_domains(cfg, set(docs.domains), in_dir)
 
-    n = len(ids)
+    chars, units, cluster_rank = docs.chars, docs.mix_units(), docs.pop_ranks()
+    n = len(chars)
     is_val = np.zeros(n, dtype=bool)
-    copies = np.zeros(n, dtype=np.int64)
-    by_domain = {d: np.flatnonzero(domains == d) for d in sorted(set(domains.tolist()))}
+    copies = np.zeros(n, dtype=np.int32)  # a few epochs at most
+    index = np.int32 if n < 2**31 else np.int64
+    by_domain = {d: np.flatnonzero(docs.codes == k).astype(index)
+                 for k, d in enumerate(docs.domains)}
     for d, idx in by_domain.items():
-        is_val[idx] = split_val(idx, clusters, chars, cfg, domain_rng(cfg.seed, d, "split"))
+        is_val[idx] = split_val(idx, cluster_rank, chars, cfg, domain_rng(cfg.seed, d, "split"))
+    del cluster_rank
     targets = train_targets({d: float(units[idx[~is_val[idx]]].sum())
                              for d, idx in by_domain.items()}, cfg)
     for d, idx in by_domain.items():
@@ -484,11 +346,18 @@ def plan_mix(cfg: MixConfig, in_dir: Path, sizes: list[PartSizes]) -> MixPlan:
             f"{shortfall_line(d, s, cfg)}, above mix.max_shortfall {cfg.max_shortfall}: "
             f"{shortfall_remedies(d, s, cfg, shortfalls)}" for d, s in sorted(too_short.items())))
 
+    metrics = _metrics(by_domain, is_val, copies, chars, units, targets, cfg)
+    del units
+    for d, short in shortfalls.items():
+        metrics["domains"][d]["shortfall"] = short["shortfall"]
+    # Domains short of their asked share by more than REPORT_SHORTFALL: asked vs got.
+    metrics["shortfalls"] = {d: s for d, s in sorted(shortfalls.items())
+                             if s["shortfall"] > REPORT_SHORTFALL}
     placements = {
         "train": place(copies, np.random.default_rng([cfg.seed, 0])),
-        "val": place(is_val.astype(np.int64), np.random.default_rng([cfg.seed, 1])),
+        "val": place(is_val.astype(np.int8), np.random.default_rng([cfg.seed, 1])),
     }
-    return MixPlan(by_domain, is_val, copies, chars, units, targets, shortfalls, placements)
+    return MixPlan(by_domain, is_val, copies, shortfalls, metrics, placements)
 
 
 # A shortfall above this (relative) is reported; above mix.max_shortfall it is an error.

@@ -1,0 +1,184 @@
+"""Mix's driver at scale: its memory per document and the intermediate files it makes.
+
+The input is the demo's mix input (``data/decontam``, parts and clusters.parquet) repeated
+x1, x10 and x30 with new ids (``#k`` appended to every id and cluster name of copy k, so
+the copies are separate documents and clusters). Each (scale, revision) runs ``run_mix``
+in a fresh process with params.yaml's mix settings, its tasks on a pool of 2 worker
+processes (never in the driver), the driver under tracemalloc: its Python and numpy heap
+at the peak, and Arrow's pool at its peak (tracemalloc cannot see it). Printed: the peak
+per scale and what it adds per document between x1 and the larger scales (the growth:
+fixed costs such as imports cancel out), the intermediate files (counted when the first
+gather task starts: every scatter and planning file exists then), the wall time, and
+whether the output is byte-identical to the baseline revision's.
+
+    python bench/bench_mix_driver.py [--scales 1,10,30] [--baseline REV] [--input DIR]
+        [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import REPO, checkout_src
+
+
+def replicate(src: Path, dst: Path, copies: int) -> int:
+    """``copies`` copies of a mix input with new ids; returns the documents."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    parts = sorted(src.glob("part-*.parquet"))
+    docs, k_out = 0, 0
+
+    def renamed(table: pa.Table, column: str, k: int) -> pa.Table:
+        if k == 0:
+            return table
+        values = pc.binary_join_element_wise(table.column(column), pa.scalar(f"#{k}"), "")
+        return table.set_column(table.schema.get_field_index(column), column, values)
+
+    for k in range(copies):
+        for part in parts:
+            table = renamed(pq.read_table(part), "id", k)
+            pq.write_table(table, dst / f"part-{k_out:05d}.parquet", compression="zstd")
+            docs += table.num_rows
+            k_out += 1
+    clusters = pq.read_table(src / "clusters.parquet")
+    pq.write_table(pa.concat_tables(renamed(renamed(clusters, "id", k), "cluster", k)
+                                    for k in range(copies)), dst / "clusters.parquet")
+    return docs
+
+
+def pooled_executor() -> Any:
+    """An executor whose every task runs in one of 2 worker processes."""
+    from lmforge.executor import Executor
+
+    class Pooled(Executor):
+        name, workers = "pool", 2
+
+        def _run(self, fn, tasks):
+            with mp.get_context("fork").Pool(2) as pool:
+                yield from pool.imap(fn, tasks, chunksize=1)
+
+    return Pooled()
+
+
+def child(src: Path, out: Path, figures: Path) -> None:
+    """One traced run of mix (in a fresh process)."""
+    import tracemalloc
+
+    import pyarrow as pa
+
+    from lmforge.config import load_params
+    from lmforge.data import mix
+
+    cfg = load_params(REPO / "params.yaml").mix
+    executor = pooled_executor()
+    counted: dict[str, int] = {}
+    partial = out.with_name(f".{out.name}.partial")
+    plain_map = executor.map
+
+    def map_counting(fn, tasks, desc=None, log=None):
+        if fn.__name__ in ("gather_group", "gather_part") and "files" not in counted:
+            counted["files"] = sum(1 for p in partial.rglob("*") if p.is_file()
+                                   and p.parent != partial  # the stamp
+                                   and p.parent.name not in (".done", "train", "val")
+                                   and p.parent.parent.name != ".done")
+        return plain_map(fn, tasks, desc, log)
+
+    executor.map = map_counting
+    tracemalloc.start()
+    t = time.perf_counter()
+    metrics = mix.run_mix(cfg, src, out, executor)
+    wall = time.perf_counter() - t
+    peak = tracemalloc.get_traced_memory()[1]
+    docs = sum(d["in"] for d in metrics["domains"].values())
+    figures.write_text(json.dumps({
+        "docs": docs, "rows": metrics["train_docs"] + metrics["val_docs"], "peak_bytes": peak,
+        "arrow_peak_bytes": pa.default_memory_pool().max_memory(), "wall_s": round(wall, 2),
+        "intermediate_files": counted.get("files")}))
+
+
+def same_tree(a: Path, b: Path) -> bool:
+    fa = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.is_file())
+    fb = sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file())
+    return fa == fb and all(filecmp.cmp(a / p, b / p, shallow=False) for p in fa)
+
+
+def report(results: dict[str, dict[int, dict]], scales: list[int]) -> None:
+    """The table: per revision and scale, peak, growth per document, files, wall."""
+    print(f"{'revision':<10} {'scale':>5} {'docs':>8} {'heap peak MiB':>13} "
+          f"{'growth B/doc':>12} {'Arrow peak MiB':>14} {'files':>7} {'wall s':>7}")
+    for rev, by_scale in results.items():
+        first = by_scale[scales[0]]
+        for s in scales:
+            r = by_scale[s]
+            grow = ((r["peak_bytes"] - first["peak_bytes"]) / (r["docs"] - first["docs"])
+                    if s != scales[0] else float("nan"))
+            r["growth_bytes_per_doc"] = None if s == scales[0] else round(grow, 1)
+            print(f"{rev:<10} x{s:<4} {r['docs']:>8} {r['peak_bytes'] / 2**20:>13.1f} "
+                  f"{grow:>12.1f} {r['arrow_peak_bytes'] / 2**20:>14.1f} "
+                  f"{r['intermediate_files']!s:>7} {r['wall_s']:>7.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scales", default="1,10,30")
+    ap.add_argument("--baseline", metavar="REV", help="also run src/ of git revision REV")
+    ap.add_argument("--input", type=Path, default=REPO / "data" / "decontam",
+                    help="the mix input to repeat (the demo's, after `make demo`)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/lmforge_mix_driver"))
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(*(Path(a) for a in args.child))
+        return
+    source = args.input
+    if not (source / "clusters.parquet").is_file():
+        sys.exit(f"{source}: no mix input; run `dvc repro decontam` (or `make demo`) first")
+    scales = [int(s) for s in args.scales.split(",")]
+    work = args.work.resolve()
+    srcs = {"current": REPO / "src"}
+    if args.baseline:
+        srcs[args.baseline] = checkout_src(args.baseline, work / "base")
+    results: dict[str, dict[int, dict]] = {rev: {} for rev in srcs}
+    identical: dict[int, bool] = {}
+    for s in scales:
+        docs = replicate(source, work / f"in_x{s}", s)
+        print(f"x{s}: {docs} documents", flush=True)
+        for rev, src in srcs.items():
+            out = work / f"out_x{s}_{len(results[rev])}_{rev.replace('/', '_')}"
+            shutil.rmtree(out, ignore_errors=True)
+            env = {**os.environ, "PYTHONPATH": str(src), "LMFORGE_TRACKING": "off"}
+            subprocess.run([sys.executable, __file__, "--child", str(work / f"in_x{s}"),
+                            str(out), str(work / "figures.json")], env=env, check=True,
+                           stderr=subprocess.DEVNULL)
+            results[rev][s] = json.loads((work / "figures.json").read_text())
+            results[rev][s]["out"] = str(out)
+        if args.baseline:
+            identical[s] = same_tree(Path(results["current"][s]["out"]),
+                                     Path(results[args.baseline][s]["out"]))
+    report(results, scales)
+    if identical:
+        print("outputs byte-identical to the baseline's: "
+              + ", ".join(f"x{s} {'yes' if v else 'NO'}" for s, v in identical.items()))
+    if args.out:
+        args.out.write_text(json.dumps({"scales": scales, "results": results,
+                                        "identical_to_baseline": identical}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
