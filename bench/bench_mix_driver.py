@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import filecmp
 import json
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -61,15 +62,22 @@ def replicate(src: Path, dst: Path, copies: int) -> int:
     return docs
 
 
+def _untraced() -> None:
+    """A forked worker stops the tracing it inherited (it would run several times slower)."""
+    import tracemalloc
+
+    tracemalloc.stop()
+
+
 def pooled_executor() -> Any:
-    """An executor whose every task runs in one of 2 worker processes."""
+    """An executor whose every task runs in one of 2 worker processes, untraced."""
     from lmforge.executor import Executor
 
     class Pooled(Executor):
         name, workers = "pool", 2
 
         def _run(self, fn, tasks):
-            with mp.get_context("fork").Pool(2) as pool:
+            with mp.get_context("fork").Pool(2, initializer=_untraced) as pool:
                 yield from pool.imap(fn, tasks, chunksize=1)
 
     return Pooled()
@@ -131,6 +139,62 @@ def report(results: dict[str, dict[int, dict]], scales: list[int]) -> None:
             print(f"{rev:<10} x{s:<4} {r['docs']:>8} {r['peak_bytes'] / 2**20:>13.1f} "
                   f"{grow:>12.1f} {r['arrow_peak_bytes'] / 2**20:>14.1f} "
                   f"{r['intermediate_files']!s:>7} {r['wall_s']:>7.1f}")
+
+
+# The 1 TB projection's assumptions, as bench/RESULTS.md's "Projection: 1 TB of raw text":
+TB_CHARS = 1e12  # characters of text (about bytes: mostly ASCII)
+TB_DOCS = 1.18e8  # at the demo's 8.5 KB a document
+PARQUET_PER_TEXT = 0.38  # zstd Parquet bytes per byte of text, measured at x10
+CLUSTER_ROW_GROUP = 1 << 20  # clusters.parquet rows a row group (pyarrow's default)
+
+
+def projection() -> dict[str, float]:
+    """Mix's intermediate files and their row-group reads at 1 TB, from the modules'
+    budgets: key files (measure runs), cluster, join and rank files, scatter files (two
+    splits); reads: every join reads its bucket from each key and cluster file, every
+    rank its range from each join file, every gather its group from each scatter file."""
+    from lmforge.data.mix_measure import RUN_BYTES
+    from lmforge.data.mix_ranks import MAX_BUCKETS
+    from lmforge.data.mix_shuffle import SHUFFLE_CHARS
+
+    runs = math.ceil(TB_CHARS * PARQUET_PER_TEXT / RUN_BYTES)
+    names = math.ceil(TB_DOCS / CLUSTER_ROW_GROUP)
+    buckets = min(MAX_BUCKETS, runs)
+    scatter = math.ceil(TB_CHARS / SHUFFLE_CHARS)
+    files = runs + names + 2 * buckets + 2 * scatter
+    reads = buckets * (runs + names) + buckets * buckets + scatter * scatter
+    return {"files": files, "reads": reads, "scatter_tasks": scatter, "measure_runs": runs,
+            "buckets": buckets}
+
+
+def markdown(found: dict[str, Any]) -> str:
+    """The committed run's table (bench/RESULTS.md, block ``mix_driver``), and what its
+    growth per document comes to at 1 TB."""
+    scales, results = found["scales"], found["results"]
+    lines = ["| code | scale | documents | driver heap at peak | added per document | "
+             "Arrow pool peak | intermediate files | wall |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for rev, by_scale in results.items():
+        for s in scales:
+            r = by_scale[str(s)] if str(s) in by_scale else by_scale[s]
+            grow = r.get("growth_bytes_per_doc")
+            lines.append(f"| {rev} | x{s} | {r['docs']:,} | {r['peak_bytes'] / 2**20:.1f} MiB | "
+                         + (f"{grow:,.0f} B" if grow is not None else "-")
+                         + f" | {r['arrow_peak_bytes'] / 2**20:.1f} MiB | "
+                         f"{r['intermediate_files']:,} | {r['wall_s']:.1f} s |")
+    top = str(scales[-1]) if str(scales[-1]) in results["current"] else scales[-1]
+    per_doc = {rev: by[top]["growth_bytes_per_doc"] for rev, by in results.items()}
+    tb = projection()
+    lines += ["", "At 1 TB (" + f"{TB_DOCS:.3g} documents): the driver adds "
+              + ", ".join(f"{v * TB_DOCS / 1e9:.1f} GB ({rev})" for rev, v in per_doc.items())
+              + f"; intermediate files {tb['files']:,} ({tb['measure_runs']:,} key files, "
+              f"{tb['scatter_tasks']:,} scatter tasks x 2 splits, {tb['buckets']} buckets x 2), "
+              f"read {tb['reads']:,} times as Parquet row groups."]
+    same = found.get("identical_to_baseline") or {}
+    if same:
+        lines.append("Outputs byte-identical to the baseline's: "
+                     + ", ".join(f"x{s} {'yes' if v else 'NO'}" for s, v in same.items()) + ".")
+    return "\n".join(lines)
 
 
 def main() -> None:

@@ -116,7 +116,8 @@ def sample_copies(units: np.ndarray, target: float, rng: np.random.Generator) ->
     full = int(target // total)
     copies += full
     rest = target - full * total
-    order = rng.permutation(len(units))
+    order = np.arange(len(units), dtype=np.int32 if len(units) < 2**31 else np.int64)
+    rng.shuffle(order)  # rng.permutation's very order, in 32 bits
     # A miss too small to report as a shortfall ends the walk where it always ended, so a
     # domain of short documents (every demo domain) keeps the very same sample.
     copies[order[fill_gap(units[order], rest, REPORT_SHORTFALL * target)]] += 1
@@ -137,28 +138,41 @@ def fill_gap(units: np.ndarray, rest: float, tolerance: float) -> np.ndarray:
     """
     cum = np.cumsum(units)
     k = int(np.searchsorted(cum, rest))  # units[:k] fit: the vectorised common case
-    taken = list(range(k))
     got = float(cum[k - 1]) if k else 0.0  # the same float the walk below would reach
+    del cum  # the walk's memory: one chunk of Python floats, not the whole domain
+    extra: list[int] = []  # taken after the first k
     skipped: list[int] = []
-    for pos, u in enumerate(units[k:].tolist(), start=k):
+    for pos, u in _walk(units, k):
         if got + u < rest:
-            taken.append(pos)
+            extra.append(pos)
             got += u
             continue
         over, under = got + u - rest, rest - got
         if min(over, under) <= tolerance:
             if over < under:
-                taken.append(pos)
-            return np.array(taken, dtype=np.int64)
+                extra.append(pos)
+            return _positions(k, extra)
         skipped.append(pos)
     if skipped:
-        traded = trade_in(units, taken, skipped, rest, tolerance)
+        traded = trade_in(units, [*range(k), *extra], skipped, rest, tolerance)
         if traded is not None:
             return traded
         shortest = min(skipped, key=lambda p: units[p])  # the first in the order on ties
         if got + units[shortest] - rest < rest - got:
-            taken.append(shortest)
-    return np.array(taken, dtype=np.int64)
+            extra.append(shortest)
+    return _positions(k, extra)
+
+
+def _walk(units: np.ndarray, start: int, chunk: int = 4096):
+    """(position, units as a Python float) from ``start`` on, a chunk at a time: the walk
+    mostly ends within a few documents, so the rest is never made into Python floats."""
+    for lo in range(start, len(units), chunk):
+        yield from enumerate(units[lo:lo + chunk].tolist(), start=lo)
+
+
+def _positions(k: int, extra: list[int]) -> np.ndarray:
+    """The first ``k`` positions and then ``extra``."""
+    return np.concatenate([np.arange(k, dtype=np.int64), np.array(extra, dtype=np.int64)])
 
 
 def trade_in(units: np.ndarray, taken: list[int], skipped: list[int], rest: float,
@@ -204,6 +218,10 @@ class Docs:
     def mix_units(self) -> np.ndarray:
         """Each document's mixing units (float64: every sum is the same float)."""
         return self.units if self.units is not None else self.chars.astype(np.float64)
+
+    def units_at(self, idx: np.ndarray) -> np.ndarray:
+        """The mixing units of the documents ``idx`` (the same floats as ``mix_units``)."""
+        return self.units[idx] if self.units is not None else self.chars[idx].astype(np.float64)
 
     def pop_ranks(self) -> np.ndarray:
         """The cluster ranks, let go of here: only the val split needs them."""
@@ -321,7 +339,7 @@ def plan_mix(cfg: MixConfig, docs: Docs, in_dir: Path) -> MixPlan:
 
     check_weighted_domains(cfg, set(docs.domains), in_dir)
 
-    chars, units, cluster_rank = docs.chars, docs.mix_units(), docs.pop_ranks()
+    chars, cluster_rank = docs.chars, docs.pop_ranks()
     n = len(chars)
     is_val = np.zeros(n, dtype=bool)
     copies = np.zeros(n, dtype=np.int32)  # a few epochs at most
@@ -331,11 +349,13 @@ def plan_mix(cfg: MixConfig, docs: Docs, in_dir: Path) -> MixPlan:
     for d, idx in by_domain.items():
         is_val[idx] = split_val(idx, cluster_rank, chars, cfg, domain_rng(cfg.seed, d, "split"))
     del cluster_rank
-    targets = train_targets({d: float(units[idx[~is_val[idx]]].sum())
+    targets = train_targets({d: float(docs.units_at(idx[~is_val[idx]]).sum())
                              for d, idx in by_domain.items()}, cfg)
     for d, idx in by_domain.items():
         train = idx[~is_val[idx]]
-        copies[train] = sample_copies(units[train], targets[d], domain_rng(cfg.seed, d, "sample"))
+        copies[train] = sample_copies(docs.units_at(train), targets[d],
+                                      domain_rng(cfg.seed, d, "sample"))
+    units = docs.mix_units()  # whole, for sums over every document (their float order)
     shortfalls = shortfall_of(by_domain, is_val, copies, units, cfg, targets)
     for d, short in shortfalls.items():
         if short["shortfall"] > REPORT_SHORTFALL:  # said in the metrics and the stage output
