@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import REPO, checkout_src
+REPO = Path(__file__).resolve().parents[1]
 
 
 def replicate(src: Path, dst: Path, copies: int) -> int:
@@ -119,6 +119,15 @@ def child(src: Path, out: Path, figures: Path) -> None:
         "intermediate_files": counted.get("files")}))
 
 
+def code_label() -> str:
+    """The checkout's commit, with ``+`` when src/ has changes not committed."""
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "src"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    return head + ("+" if dirty else "")
+
+
 def same_tree(a: Path, b: Path) -> bool:
     fa = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.is_file())
     fb = sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file())
@@ -182,10 +191,11 @@ def markdown(found: dict[str, Any]) -> str:
                          + (f"{grow:,.0f} B" if grow is not None else "-")
                          + f" | {r['arrow_peak_bytes'] / 2**20:.1f} MiB | "
                          f"{r['intermediate_files']:,} | {r['wall_s']:.1f} s |")
-    top = str(scales[-1]) if str(scales[-1]) in results["current"] else scales[-1]
+    first = next(iter(results.values()))
+    top = str(scales[-1]) if str(scales[-1]) in first else scales[-1]
     per_doc = {rev: by[top]["growth_bytes_per_doc"] for rev, by in results.items()}
     tb = projection()
-    lines += ["", "At 1 TB (" + f"{TB_DOCS:.3g} documents): the driver adds "
+    lines += ["", f"At 1 TB ({TB_DOCS / 1e8:.2f} × 10⁸ documents): the driver adds "
               + ", ".join(f"{v * TB_DOCS / 1e9:.1f} GB ({rev})" for rev, v in per_doc.items())
               + f"; intermediate files {tb['files']:,} ({tb['measure_runs']:,} key files, "
               f"{tb['scatter_tasks']:,} scatter tasks x 2 splits, {tb['buckets']} buckets x 2), "
@@ -215,8 +225,10 @@ def main() -> None:
         sys.exit(f"{source}: no mix input; run `dvc repro decontam` (or `make demo`) first")
     scales = [int(s) for s in args.scales.split(",")]
     work = args.work.resolve()
-    srcs = {"current": REPO / "src"}
+    srcs = {code_label(): REPO / "src"}
     if args.baseline:
+        from _common import checkout_src  # bench/ is on the path when this runs as a script
+
         srcs[args.baseline] = checkout_src(args.baseline, work / "base")
     results: dict[str, dict[int, dict]] = {rev: {} for rev in srcs}
     identical: dict[int, bool] = {}
@@ -233,7 +245,7 @@ def main() -> None:
             results[rev][s] = json.loads((work / "figures.json").read_text())
             results[rev][s]["out"] = str(out)
         if args.baseline:
-            identical[s] = same_tree(Path(results["current"][s]["out"]),
+            identical[s] = same_tree(Path(results[next(iter(srcs))][s]["out"]),
                                      Path(results[args.baseline][s]["out"]))
     report(results, scales)
     if identical:
