@@ -164,3 +164,77 @@ def test_min_cjk_chars_must_lie_between_one_and_min_ngram():
         DecontamConfig(min_cjk_chars=9).validate()
     with pytest.raises(ConfigError, match=r"decontam\.min_cjk_chars: 0 must be > 0"):
         DecontamConfig(min_cjk_chars=0).validate()
+
+
+class _Recording:
+    """The local pool (one process), keeping every task it is given."""
+
+    def __new__(cls):
+        from lmforge.executor import LocalExecutor
+
+        class Recording(LocalExecutor):
+            def __init__(self) -> None:
+                super().__init__(1)
+                self.tasks: dict[str, list] = {}
+
+            def _run(self, fn, tasks):
+                self.tasks.setdefault(fn.__name__, []).extend(tasks)
+                return super()._run(fn, tasks)
+
+        return Recording()
+
+
+def _parts(tmp_path, n: int) -> None:
+    """``n`` parts of two documents each, the question planted in every third one."""
+    (tmp_path / "train").mkdir()
+    for k in range(n):
+        ids = [f"p{k}-a", f"p{k}-b"]
+        texts = [FILLER + (QUESTION if k % 3 == 0 else "") + FILLER, FILLER * 2]
+        pq.write_table(pa.table({"id": ids, "text": texts, "domain": ["web", "web"],
+                                 "source": ["s"] * 2, "file": ["f"] * 2, "line": [0, 1]},
+                                schema=SCHEMA), tmp_path / "train" / f"part-{k:05d}.parquet")
+
+
+def test_the_index_goes_to_the_tasks_as_a_file_and_the_tasks_write_the_parts(tmp_path):
+    """A scan task carries the index's path, not the index (it went with every task: 281 KB
+    each in the demo), and a task per part writes the output; nothing is left beside it."""
+    import pickle
+
+    _parts(tmp_path, 7)
+    many = {"question": [f"{QUESTION} variant {i} " + FILLER for i in range(300)]}
+    (tmp_path / "big.jsonl").write_text(json.dumps(many))
+    sets = {**_eval_set(tmp_path), "big": str(tmp_path / "big.jsonl")}
+    executor = _Recording()
+    m = run_decontam(DecontamConfig(remove=True), sets, tmp_path / "train", tmp_path / "out",
+                     executor)
+    scans, copies = executor.tasks["scan_part"], executor.tasks["copy_part"]
+    assert len(scans) == len(copies) == 7
+    assert max(len(pickle.dumps(t)) for t in scans) < 1_000  # the index is ~100 KB
+    assert m["domains"]["web"] == {"in": 14, "kept": 11, "matched": 3, "matched_val": 0,
+                                   "rejected": {"eval_overlap": 3}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl", "out", "tasks", "train"]
+
+
+def test_a_killed_write_resumes_with_the_same_bytes(tmp_path):
+    from lmforge.executor import LocalExecutor
+
+    class StopsAfter(LocalExecutor):
+        def _run(self, fn, tasks):
+            for k, result in enumerate(super()._run(fn, tasks)):
+                if fn.__name__ == "copy_part" and k == 3:
+                    raise KeyboardInterrupt
+                yield result
+
+    _parts(tmp_path, 8)
+    cfg, sets = DecontamConfig(remove=True), _eval_set(tmp_path)
+    whole = run_decontam(cfg, sets, tmp_path / "train", tmp_path / "whole",
+                         LocalExecutor(1))
+    with pytest.raises(KeyboardInterrupt):
+        run_decontam(cfg, sets, tmp_path / "train", tmp_path / "out",
+                     StopsAfter(1))
+    rerun = _Recording()
+    assert run_decontam(cfg, sets, tmp_path / "train", tmp_path / "out",
+                        rerun) == whole
+    assert len(rerun.tasks["copy_part"]) == 5  # the 3 parts written before were kept
+    for p in sorted((tmp_path / "whole").iterdir()):
+        assert (tmp_path / "out" / p.name).read_bytes() == p.read_bytes()

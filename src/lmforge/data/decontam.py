@@ -16,10 +16,13 @@ otherwise the text passes unchanged and the report says what overlaps.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
+import pickle
 import re
 import shutil
+import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +34,7 @@ from lmforge.config import DecontamConfig
 from lmforge.data.records import list_parts, read_table, write_table
 from lmforge.data.textview import CJK_RANGES
 from lmforge.errors import InputError
-from lmforge.executor import Executor, LocalExecutor, output_settings
+from lmforge.executor import Executor, LocalExecutor, PartLog, output_settings
 from lmforge.io import files_fingerprint, resumable_dir
 
 _TOKEN = re.compile(rf"[{CJK_RANGES}]|[^\W_{CJK_RANGES}]+")
@@ -161,15 +164,22 @@ def build_index(items: list[Item], cfg: DecontamConfig) -> tuple[NgramIndex, lis
 @dataclass(frozen=True)
 class ScanTask:
     src: str
-    index: NgramIndex
+    index: str  # the pickled NgramIndex: written once, read once per worker process
+
+
+@functools.lru_cache(maxsize=2)
+def load_index(path: str) -> NgramIndex:
+    """The index a scan task reads (cached: a worker's later tasks reuse it)."""
+    return pickle.loads(Path(path).read_bytes())
 
 
 def scan_part(task: ScanTask) -> list[tuple[str, str, list[tuple[str, ...]]]]:
     """(id, domain, n-grams found) of each document of one part that holds any (worker)."""
     cols = read_table(task.src).select(["id", "text", "domain"]).to_pydict()
+    index = load_index(task.index)
     out = []
     for rid, text, domain in zip(cols["id"], cols["text"], cols["domain"], strict=True):
-        found = task.index.find(text)
+        found = index.find(text)
         if found:
             out.append((rid, domain, sorted(found)))
     return out
@@ -191,16 +201,22 @@ def run_decontam(cfg: DecontamConfig, sets: dict[str, str], in_dir: str | Path,
     items = [it for name, path in sets.items() for it in read_items(name, path)]
     index, checked = build_index(items, cfg)
     parts = list_parts(in_dir)
-    matches: list[tuple[str, str, list[tuple[str, ...]]]] = []
-    for found in executor.map(scan_part, [ScanTask(str(p), index) for p in parts], "decontam"):
-        matches.extend(found)
+    per_part: list[list[tuple[str, str, list[tuple[str, ...]]]]] = []
+    with tempfile.TemporaryDirectory(prefix=".decontam-", dir=Path(out_dir).parent) as work:
+        path = Path(work) / "index.pkl"  # on shared storage, beside the output, for Ray
+        path.write_bytes(pickle.dumps(index, protocol=5))
+        tasks = [ScanTask(str(p), str(path)) for p in parts]
+        per_part.extend(executor.map(scan_part, tasks, "decontam"))
+    matches = [m for found in per_part for m in found]
     docs_of: Counter = Counter(g for _, _, grams in matches for g in grams)
     common = {g for g, n in docs_of.items() if n > cfg.max_matches}
     dirty = {rid: (domain, [g for g in grams if g not in common])
              for rid, domain, grams in matches if any(g not in common for g in grams)}
     metrics = _metrics(cfg, sets, items, checked, index, dirty, common, held_out)
     removed = set(dirty) if cfg.remove else set()
-    metrics["domains"] = _write_parts(parts, out_dir, removed, cfg, dirty, held_out)
+    found_ids = [[rid for rid, _, _ in found if rid in dirty] for found in per_part]
+    metrics["domains"] = _write_parts(parts, out_dir, removed, cfg, found_ids, held_out,
+                                      executor)
     return metrics
 
 
@@ -243,27 +259,51 @@ def _snip(text: str) -> str:
     return one[:SNIPPET] + ("…" if len(one) > SNIPPET else "")
 
 
+@dataclass(frozen=True)
+class CopyTask:
+    src: str
+    out: str
+    dirty: tuple[str, ...]  # this part's documents holding a counted n-gram, sorted
+    held: tuple[str, ...]  # ... of which in mix's val split (sorted: a stable digest)
+    remove: bool
+
+
+def copy_part(task: CopyTask) -> dict[str, Counter]:
+    """Copy one part without its removed documents (the same bytes when none is);
+    per domain: documents in, kept, matched in training text, matched in val (worker)."""
+    table = read_table(task.src)
+    ids, domains = (table.column(c).to_pylist() for c in ("id", "domain"))
+    dirty, held = set(task.dirty), set(task.held)
+    keep = [not (task.remove and rid in dirty) for rid in ids]
+    counts: dict[str, Counter] = defaultdict(Counter)
+    for rid, domain, k in zip(ids, domains, keep, strict=True):
+        counts[domain]["in"] += 1
+        counts[domain]["kept"] += k
+        counts[domain]["matched"] += rid in dirty and rid not in held
+        counts[domain]["matched_val"] += rid in held
+    if all(keep):
+        shutil.copyfile(task.src, task.out)  # the same bytes: nothing downstream changes
+    else:
+        write_table(table.filter(pa.array(keep)), task.out)
+    return dict(counts)
+
+
 def _write_parts(parts: list[Path], out_dir: str | Path, removed: set[str],
-                 cfg: DecontamConfig, dirty: dict[str, tuple[str, list]],
-                 held_out: set[str] | frozenset[str]) -> dict[str, Any]:
-    """Copy the parts to ``out_dir`` (without the ``removed`` ids); per-domain counts."""
+                 cfg: DecontamConfig, dirty: list[list[str]],
+                 held_out: set[str] | frozenset[str], executor: Executor) -> dict[str, Any]:
+    """Copy the parts to ``out_dir`` (without the ``removed`` ids), a task a part
+    (``dirty``: each part's matched documents); per-domain counts."""
     counts: dict[str, Counter] = defaultdict(Counter)
     with resumable_dir(out_dir, files_fingerprint(parts, "decontam", cfg, sorted(removed))) as tmp:
-        for p in parts:
-            table = read_table(p)
-            ids, domains = (table.column(c).to_pylist() for c in ("id", "domain"))
-            keep = [rid not in removed for rid in ids]
-            for rid, domain, k in zip(ids, domains, keep, strict=True):
-                counts[domain]["in"] += 1
-                counts[domain]["kept"] += k
-                counts[domain]["matched"] += rid in dirty and rid not in held_out
-                counts[domain]["matched_val"] += rid in dirty and rid in held_out
-            if all(keep):
-                shutil.copyfile(p, tmp / p.name)  # the same bytes: nothing downstream changes
-            else:
-                write_table(table.filter(pa.array(keep)), tmp / p.name)
-        clusters = parts[0].parent / "clusters.parquet"  # dedup's: mix splits val by cluster
-        if clusters.is_file():
+        tasks = [CopyTask(str(p), str(tmp / p.name), tuple(sorted(ids)),
+                          tuple(sorted(i for i in ids if i in held_out)), bool(removed))
+                 for p, ids in zip(parts, dirty, strict=True)]
+        for part_counts in executor.map(copy_part, tasks, "decontam: write",
+                                        PartLog(tmp / ".done" / "write")):
+            for domain, c in part_counts.items():
+                counts[domain].update(c)
+        clusters = parts[0].parent / "clusters.parquet" if parts else None
+        if clusters is not None and clusters.is_file():  # dedup's: mix splits val by cluster
             shutil.copyfile(clusters, tmp / clusters.name)
     return {d: {"in": c["in"], "kept": c["kept"], "matched": c["matched"],
                 "matched_val": c["matched_val"],
