@@ -1,7 +1,8 @@
 """One data stage alone, this tree's ``src/`` against a baseline revision's, interleaved.
 
 The stage runs on the x10 corpus that ``bench/bench_data_scale.py`` builds under ``--work``
-(ingest reads it; shards reads ``--mixed``, a mixed/ folder, with ``--tokenizer``), with
+(ingest reads it; shards reads ``--mixed``, a mixed/ folder, with ``--tokenizer``; mix reads
+``--input``), with
 params.yaml's settings and 2 workers, each run in a fresh process, alternating old/new
 (then new/old) for ``--rounds`` rounds. Printed per run and summed up: wall seconds and the
 CPU seconds of the run's process tree (the driver plus the local pool's workers; on Ray
@@ -10,7 +11,7 @@ minimum and the median. Meant for a change that should not cost throughput, on s
 cores where a whole-pipeline run is too noisy.
 
     .venv/bin/python bench/bench_stage_ab.py ingest --baseline REV [--kind local|ray]
-        [--rounds 4] [--work /tmp/lmforge_scale] [--mixed DIR --tokenizer FILE]
+        [--rounds 4] [--work /tmp/lmforge_scale] [--mixed DIR --tokenizer FILE] [--input DIR]
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ def run_once(args: argparse.Namespace, out: Path) -> None:
         p.ingest.sources = [SourceConfig(path=str(corpus / s.domain / "*.jsonl.gz"),
                                          domain=s.domain) for s in p.ingest.sources]
         run_ingest(p.ingest, out, executor)
+    elif args.stage == "mix":
+        from lmforge.data.mix import run_mix
+
+        run_mix(p.mix, args.input, out, executor)
     else:
         from lmforge.shards.build import build_shards
 
@@ -74,13 +79,16 @@ def run_once(args: argparse.Namespace, out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=["ingest", "shards"])
+    ap.add_argument("stage", choices=["ingest", "mix", "shards"])
     ap.add_argument("--baseline", required=True, metavar="REV")
     ap.add_argument("--kind", choices=["local", "ray"], default="local")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--work", type=Path, default=Path("/tmp/lmforge_scale"))
     ap.add_argument("--mixed", type=Path, help="shards: the mixed/ folder to encode")
     ap.add_argument("--tokenizer", type=Path, help="shards: the tokenizer model")
+    ap.add_argument("--input", type=Path,
+                    help="mix: its input folder (parts and clusters.parquet), e.g. "
+                         "bench/bench_mix_driver.py's x30 one")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
