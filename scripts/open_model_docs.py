@@ -53,6 +53,26 @@ def seconds(record: dict, stage: str, steps: int | None = None) -> str:
     return f"{s:,.0f} s" + (f" ({s / steps:.1f} s/step)" if steps else "")
 
 
+def replay_note(dpo: dict) -> str:
+    """``, replay 0.25 of the rows`` where the run mixed pretraining rows in."""
+    share = dpo.get("replay_row_share")
+    return f", {share:.2f} of the rows pretraining text (replay)" if share else ""
+
+
+def no_replay_rows(rec: dict) -> list[tuple[str, str, str]]:
+    """The same DPO without replay (``dpo_replay0.json``, ``post_replay0.json``), where
+    the record has it: the recipe's effect on the open model, in the same run."""
+    if not (RUN / "post_replay0.json").is_file():
+        return []
+    dpo, post = load("dpo_replay0.json"), load("post_replay0.json")
+    forgot = post["forgetting_bits_per_byte"]["dpo"]["mix_weighted"]
+    return [("dpo, replay 0", f"`-S dpo.replay=0`, otherwise the same: val reward accuracy "
+             f"{reward_accuracy(dpo):.3f}, KL {dpo['val_kl_per_token']:.4f}/token; forgetting "
+             f"against the base {forgot:+.3f}, held-out preference accuracy "
+             f"{pm(post['dpo'], 'pref_accuracy')}",
+             seconds(rec, "dpo_replay0", dpo["steps"]))]
+
+
 def table() -> str:
     """The walkthrough's figures, stage by stage, as a Markdown table."""
     rec, tok, train = load("record.json"), load("tokenizer.json"), load("train.json")
@@ -76,8 +96,8 @@ def table() -> str:
          f"{pm(post['base'], 'response_loss')} -> {pm(post['sft'], 'response_loss')}",
          seconds(rec, "sft", sft["steps"])),
         ("dpo", f"LoRA, beta {dpo['beta']}, {dpo['steps']} steps on {dpo['train_pairs']:,} "
-         f"pairs: val reward accuracy {reward_accuracy(dpo):.3f}, KL to the reference "
-         f"{dpo['val_kl_per_token']:.4f}/token", seconds(rec, "dpo", dpo["steps"])),
+         f"pairs{replay_note(dpo)}: val reward accuracy {reward_accuracy(dpo):.3f}, KL to the "
+         f"reference {dpo['val_kl_per_token']:.4f}/token", seconds(rec, "dpo", dpo["steps"])),
         ("evaluate_post", "forgetting, val bits/byte against the base: sft "
          f"{post['forgetting_bits_per_byte']['sft']['mix_weighted']:+.3f}, dpo "
          f"{post['forgetting_bits_per_byte']['dpo']['mix_weighted']:+.3f} (mixture-weighted); "
@@ -85,6 +105,7 @@ def table() -> str:
          f"{pm(post['sft'], 'pref_accuracy')} / {pm(post['dpo'], 'pref_accuracy')} "
          "(base / sft / dpo)", seconds(rec, "evaluate_post")),
     ]
+    rows += no_replay_rows(rec)
     tasks = sorted(harness["base"])
     accs = "; ".join(f"{t.removeprefix('demo_')} " + " / ".join(
         f"{harness[m][t]['acc']:.3f}" for m in ("base", "sft", "dpo")) for t in tasks)
