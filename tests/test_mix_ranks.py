@@ -147,3 +147,24 @@ def test_splitters_cut_the_samples_into_even_ranges():
     assert cut == ["k0250", "k0500", "k0750"]
     assert mix_ranks.splitters_of(samples, 1) == [] and mix_ranks.splitters_of([], 5) == []
     assert mix_ranks.splitters_of(["a"] * 50, 8) == ["a"]  # equal samples: one cut
+
+
+def test_each_join_and_rank_task_carries_its_own_pieces_only(tmp_path, monkeypatch):
+    """Every row group of every key and join file goes to exactly one task, so what the
+    tasks carry adds up to the files' row groups, not files x buckets per task."""
+    cluster_of, docs = make_input(tmp_path / "in", 300, 7)
+    monkeypatch.setattr(mix_measure, "MIN_SHUFFLE_TASKS", 12)
+    seen: dict[str, list] = {}
+
+    class Recording(LocalExecutor):
+        def _run(self, fn, tasks):
+            seen.setdefault(fn.__name__, []).extend(tasks)
+            return super()._run(fn, tasks)
+
+    parts = sorted((tmp_path / "in").glob("part-*.parquet"))
+    got = measure_docs(Recording(1), parts, "chars", tmp_path / "in", tmp_path / "work")
+    assert np.array_equal(got.cluster_rank, expected_ranks(docs, cluster_of))
+    for fn, field, files in (("join_names", "keys", "keys-*"), ("rank_range", "pieces", "join-*")):
+        groups = sum(pq.ParquetFile(f).num_row_groups for f in (tmp_path / "work").glob(files))
+        carried = [piece for task in seen[fn] for piece in getattr(task, field)]
+        assert len(seen[fn]) > 1 and len(carried) == len(set(carried)) == groups

@@ -66,12 +66,21 @@ def write_bucketed(table: pa.Table, bucket: np.ndarray, path: str) -> list[int]:
     return held.tolist()
 
 
-def read_bucket(pieces: list[tuple[str, list[int]]], bucket: int,
-                schema: pa.Schema) -> pa.Table:
-    """Bucket ``bucket``'s rows from every file ``(path, buckets held)`` that has it."""
-    tables = [pq.ParquetFile(path).read_row_group(held.index(bucket))
-              for path, held in pieces if bucket in held]
+def read_pieces(pieces: list[tuple[str, int]], schema: pa.Schema) -> pa.Table:
+    """The rows of the row groups ``(path, row group)``, one after another."""
+    tables = [pq.ParquetFile(path).read_row_group(rg) for path, rg in pieces]
     return pa.concat_tables(tables) if tables else schema.empty_table()
+
+
+def pieces_of(files: list[tuple[str, list[int]]], count: int) -> list[list[tuple[str, int]]]:
+    """Per bucket (or range) of ``count``, the (path, row group) pairs that hold it, from
+    each file's list of the buckets it holds: a task is given its own pieces only, so
+    what goes with every task does not grow with the files times the buckets."""
+    out: list[list[tuple[str, int]]] = [[] for _ in range(count)]
+    for path, held in files:
+        for rg, b in enumerate(held):
+            out[b].append((path, rg))
+    return out
 
 
 KEYS = pa.schema([("id", pa.string()), ("domain", pa.string()), ("idx", pa.int64())])
@@ -109,17 +118,16 @@ def bucket_names(task: NameTask) -> list[int]:
 
 @dataclass(frozen=True)
 class JoinTask:
-    bucket: int
-    keys: list[tuple[str, list[int]]]
-    names: list[tuple[str, list[int]]]
+    keys: list[tuple[str, int]]  # the bucket's row group in each key file
+    names: list[tuple[str, int]]  # ... in each cluster file
     splitters: list[str]
     path: str
 
 
 def join_names(task: JoinTask) -> list[int]:
     """Step 3: every document of the bucket with its cluster name, by key range."""
-    keys = read_bucket(task.keys, task.bucket, KEYS)
-    names = read_bucket(task.names, task.bucket, NAMES)
+    keys = read_pieces(task.keys, KEYS)
+    names = read_pieces(task.names, NAMES)
     if names.num_rows and len(pc.unique(names.column("id"))) != names.num_rows:
         raise InputError("clusters.parquet: an id is listed in more than one row")
     joined = keys.join(names, "id", join_type="left outer")
@@ -134,8 +142,7 @@ def join_names(task: JoinTask) -> list[int]:
 
 @dataclass(frozen=True)
 class RankTask:
-    rng: int
-    pieces: list[tuple[str, list[int]]]
+    pieces: list[tuple[str, int]]  # the range's row group in each join file
     run_first_doc: np.ndarray  # each measuring run's first document, and then the count
     path: str  # where the range's ranks go (``.npz``)
 
@@ -147,7 +154,7 @@ def rank_range(task: RankTask) -> dict[str, int]:
     """Step 4: write, per domain in the range, its documents (input order) and their
     names' dense ranks within the domain and the range (from 0); return how many
     distinct names each domain has there."""
-    table = read_bucket(task.pieces, task.rng, RANKED)
+    table = read_pieces(task.pieces, RANKED)
     dense = pc.rank(table.column("key"), tiebreaker="dense").to_numpy().astype(np.int64)
     key = table.column("idx").to_numpy()
     doc = task.run_first_doc[key >> ROW_BITS] + (key & ((1 << ROW_BITS) - 1))
@@ -187,16 +194,18 @@ def cluster_ranks(executor: Executor, key_files: list[tuple[str, list[int]]], sa
         names = list(zip([t.path for t in tasks],
                          executor.map(bucket_names, tasks, "mix: clusters", log), strict=True))
     splitters = splitters_of(samples, buckets)
-    joins = [JoinTask(b, key_files, names, splitters, str(work / f"join-{b:05d}.parquet"))
-             for b in range(buckets)]
+    joins = [JoinTask(keys, named, splitters, str(work / f"join-{b:05d}.parquet"))
+             for b, (keys, named) in enumerate(zip(pieces_of(key_files, buckets),
+                                                   pieces_of(names, buckets), strict=True))]
     log = PartLog(done / "join") if done else None
     joined = list(zip([t.path for t in joins],
                       executor.map(join_names, joins, "mix: join", log), strict=True))
     n_docs = int(run_first_doc[-1])
     rank = np.full(n_docs, -1, dtype=np.int32 if n_docs < 2**31 else np.int64)
     offset: dict[str, int] = {}
-    tasks = [RankTask(r, joined, run_first_doc, str(work / f"rank-{r:05d}.npz"))
-             for r in range(len(splitters) + 1)]
+    ranges = len(splitters) + 1
+    tasks = [RankTask(pieces, run_first_doc, str(work / f"rank-{r:05d}.npz"))
+             for r, pieces in enumerate(pieces_of(joined, ranges))]
     log = PartLog(done / "rank") if done else None
     for task, counts in zip(tasks, executor.map(rank_range, tasks, "mix: rank", log), strict=True):
         with np.load(task.path) as found:  # one range at a time in the driver's memory
