@@ -2,7 +2,7 @@
 and checkpoint the shards with ``torch.distributed.checkpoint`` (DCP).
 
 torchtitan's order (models/llama3/infra/parallelize.py): activation checkpointing, then
-compile per block, then ``fully_shard`` on each block and finally on the root, and the
+compile (per block over several ranks; the whole forward on one), then ``fully_shard`` on each block and finally on the root, and the
 optimizer built only after sharding (one built before would hold the unsharded
 parameters and train nothing). On GPUs with bf16 the parameters are gathered in bf16 and
 gradients reduced in fp32 (``MixedPrecisionPolicy``); the sharded master weights and the
@@ -49,17 +49,16 @@ def ensure_process_group(env: DistEnv) -> None:
 def shard_model(model: Llama, env: DistEnv, bf16: bool, compile_blocks: bool = False) -> Llama:
     """``fully_shard`` each block, then the root, over all ranks (in place).
 
-    With ``compile_blocks`` each block is compiled, and so is ``Llama.output`` (final
-    norm, head, loss), which would otherwise run eager in the root's forward: the plain
-    loss then fuses as in the compiled plain step.
-
     Each block is its own FSDP unit only with more than one rank, where gathering block
     by block bounds memory and overlaps the collectives with compute; a block frees its
     gathered weights after its forward (``reshard_after_forward``) except the last,
     whose backward comes next (torchtitan's default). On one rank there is nothing to
     overlap and the gathered copy is the whole weight anyway, while each unit costs
     host time in its hooks every step (on an H200, 12 units left the GPU idle 21 of
-    66 ms a step, issue 44): there the root is the only unit."""
+    66 ms a step, issue 44): there the root is the only unit.
+
+    ``compile_blocks`` compiles as much as the units allow (:func:`compile_sharded`).
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -67,17 +66,42 @@ def shard_model(model: Llama, env: DistEnv, bf16: bool, compile_blocks: bool = F
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if bf16 and env.device.type == "cuda" else MixedPrecisionPolicy())
     if compile_blocks:
-        before_compile()
-        model.output = torch.compile(model.output)  # type: ignore[method-assign]
+        compile_sharded(model, whole=env.world_size == 1)
     last = len(model.layers) - 1
     for i, block in enumerate(model.layers):
-        if compile_blocks:
-            block.compile()
         if env.world_size > 1:
             fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < last)
     # The root holds the embeddings, the final norm and the head (tied or not).
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def compiled_scope(world_size: int) -> str:
+    """What :func:`shard_model` compiles at ``world_size``, as a run's first line says it."""
+    return "whole forward" if world_size == 1 else "per block"
+
+
+def compile_sharded(model: Llama, whole: bool) -> None:
+    """Compile what runs between FSDP's hooks, before sharding.
+
+    ``whole`` (the root the only unit, on one rank): the root's forward, all of it, as
+    the plain step compiles the model. FSDP's hooks run around it (gather before, the
+    reduce-scatter after backward), so Dynamo never traces them and the step is one
+    graph each way. Compiled block by block instead, its 12 graphs and their guards cost
+    the host more than the GPU's whole step at GPT-2 small's size on an H200 (44 ms a
+    step against 35 for the plain step, GPU busy 32 ms in both; issue 44).
+
+    Otherwise each block, and ``Llama.output`` (final norm, head, loss), which would
+    otherwise run eager in the root's forward: the plain loss then fuses as in the
+    compiled plain step.
+    """
+    before_compile()
+    if whole:
+        model.forward = torch.compile(model.forward)  # type: ignore[method-assign]
+        return
+    model.output = torch.compile(model.output)  # type: ignore[method-assign]
+    for block in model.layers:
+        block.compile()
 
 
 def build_sharded(cfg: ModelConfig, vocab_size: int, env: DistEnv, bf16: bool,

@@ -33,7 +33,7 @@ from lmforge.train import runs
 from lmforge.train.build import build_model
 from lmforge.train.compiler import resolve_compile
 from lmforge.train.distributed import DistEnv
-from lmforge.train.fsdp import AsyncShardSaver, is_sharded, unsharded_copy
+from lmforge.train.fsdp import AsyncShardSaver, compiled_scope, is_sharded, unsharded_copy
 from lmforge.train.loss_choice import describe, fused_loss_for_run
 from lmforge.train.objectives import (
     NextToken,
@@ -313,7 +313,7 @@ class Trainer:
         self.eager_model = self.step_model
         compiled, self.compiled_how = resolve_compile(self.cfg.compile, device)
         if self.sharded:
-            self.compiled_how += " per block" if compiled else ""
+            self.compiled_how += f" {compiled_scope(self.env.world_size)}" if compiled else ""
             compiled = False  # the blocks were compiled before sharding, if at all
         elif compiled:
             self.step_model = compile_step_model(self.step_model, model,
