@@ -15,9 +15,11 @@ import torch.nn.functional as F
 from lmforge.config import ModelConfig, TrainConfig
 from lmforge.config.loader import from_dict
 from lmforge.errors import ConfigError
+from lmforge.model import loss_kernel
 from lmforge.model.llama import Llama
 from lmforge.model.loss import (
     LIGER,
+    WHOLE,
     cross_entropy,
     liger_linear_cross_entropy,
     linear_cross_entropy,
@@ -84,6 +86,10 @@ def test_true_and_false_are_taken_as_given_on_any_device(monkeypatch, env):
     (True, False, {"chunked": 0.020, "plain": None}, True),  # plain ran out of memory
     (False, False, {"chunked": 0.020}, True),  # plain does not fit the step: not timed
     (True, True, {"chunked": 0.010, "plain": 0.010, LIGER: 0.010}, True),  # a tie
+    (True, False, {"chunked": 0.020, WHOLE: 0.006, "plain": 0.008}, WHOLE),
+    (True, False, {"chunked": 0.020, WHOLE: 0.009, "plain": 0.008}, False),
+    (True, False, {"chunked": 0.009, WHOLE: 0.009, "plain": 0.009}, True),  # a tie
+    (True, False, {"chunked": 0.020, WHOLE: None, "plain": 0.010}, False),  # out of memory
 ])
 def test_auto_on_cuda_takes_the_fastest_path_that_ran(monkeypatch, fits, liger, seconds, want):
     timed: list[list[str]] = []
@@ -96,17 +102,38 @@ def test_auto_on_cuda_takes_the_fastest_path_that_ran(monkeypatch, fits, liger, 
 
     monkeypatch.setattr(lc, "plain_step_fits", lambda *_: fits)
     monkeypatch.setattr(lc, "liger_available", lambda: liger)
+    monkeypatch.setattr(lc, "whole_differs", lambda _probe: WHOLE in seconds)
     monkeypatch.setattr(lc, "probe_seconds", fake_probe)
     lines: list[str] = []
     got = resolve("auto", CUDA, lines.append)
     assert got == want and type(got) is type(want)
-    assert timed == [[n for n in seconds if n != "plain" or fits]]
+    assert timed == [[n for n in seconds if n not in ("plain", WHOLE) or fits]]
     assert len(lines) == 1 and lines[0].startswith(
         f"train: fused_loss auto: {lc.path_name(want)} loss (")
     if not fits:
         assert "the plain loss does not fit this step" in lines[0]
     if seconds.get("plain", 0) is None:
         assert "plain did not run" in lines[0]
+
+
+def test_whole_is_timed_only_where_one_chunk_is_another_path(monkeypatch):
+    """One chunk of the micro-batch differs from the chunked loss where the Triton kernel
+    runs (CUDA) and the micro-batch is more than one default chunk; the plain loss's fit
+    decides for it too (it holds as many logits)."""
+    def probe(tokens: int, device: str = "cuda", vocab: int = 50304) -> lc.HeadProbe:
+        return lc.HeadProbe(vocab, 768, tokens, torch.float32, True, torch.float32,
+                            torch.device(device), Precision("bf16", device), True)
+
+    monkeypatch.setattr(loss_kernel, "available",
+                        lambda device, dtype: device.type == "cuda" and dtype == torch.bfloat16)
+    most = (1 << 28) // 50304  # the kernel's default chunk: 5,336 tokens
+    assert lc.whole_differs(probe(16 * 1024)) and lc.whole_differs(probe(most + 1))
+    assert not lc.whole_differs(probe(most))  # the default chunk is already all of it
+    assert not lc.whole_differs(probe(16 * 1024, "cpu"))  # no kernel: fp32 logits, no gain
+    assert lc.candidates(True, True) == ["chunked", WHOLE, "plain"]
+    assert lc.candidates(False, True) == ["chunked"]
+    assert lc.candidates(True, False) == ["chunked", "plain"]
+    assert lc.path_name(WHOLE) == "whole" and lc.describe(WHOLE, "auto") == "whole loss (auto)"
 
 
 def test_choose_names_every_timing_and_falls_back_to_chunked():
@@ -240,6 +267,28 @@ def test_liger_path_keeps_the_guards_and_the_options(fake_liger):
     assert math.isnan(liger_linear_cross_entropy(x, w, torch.full_like(t, -100)).item())
 
 
+def test_the_whole_path_is_the_chunked_op_in_one_chunk_and_equals_the_plain_one(
+        monkeypatch):
+    chunks: list[int] = []
+    op = torch.ops.lmforge.linear_cross_entropy
+
+    def spy(*args):
+        chunks.append(args[5])
+        return op(*args)
+
+    monkeypatch.setattr(torch.ops.lmforge, "linear_cross_entropy", spy)
+    idx = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    targets = idx.roll(-1, 1)
+    targets[1, :5] = -100
+    logits, whole = _model_loss_and_grads(WHOLE, idx, targets)
+    assert logits is None and chunks == [2 * 24]
+    _, plain = _model_loss_and_grads(False, idx, targets)
+    for a, b in zip(whole, plain, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    x, w = torch.randn(0, 8), torch.randn(5, 8)  # no tokens at all: NaN, not a zero chunk
+    assert math.isnan(lc.loss_fn(WHOLE, 0.0, 0.0)(x, w, torch.zeros(0, dtype=torch.long)))
+
+
 def test_the_model_computes_the_liger_path_when_it_is_chosen(fake_liger):
     idx = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(2))
     logits, liger = _model_loss_and_grads(LIGER, idx, idx.roll(-1, 1))
@@ -247,3 +296,24 @@ def test_the_model_computes_the_liger_path_when_it_is_chosen(fake_liger):
     _, chunked = _model_loss_and_grads(True, idx, idx.roll(-1, 1))
     for a, b in zip(liger, chunked, strict=True):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_whole_path_in_bf16_equals_the_plain_one():
+    """On CUDA the whole path runs the Triton kernel over one chunk of 16-bit logits."""
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, seq_len=256)
+    idx = torch.randint(0, 5000, (4, 256), generator=torch.Generator().manual_seed(4)).cuda()
+    targets = idx.roll(-1, 1)
+    targets[0, :7] = -100
+    grads = {}
+    for path in (WHOLE, False):
+        torch.manual_seed(0)
+        model = Llama(cfg, 5000).cuda()
+        model.fused_loss = path
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(idx, targets)
+        loss.backward()
+        grads[path] = (loss.detach(), model.lm_head.weight.grad, model.layers[0].attn.wq.weight.grad)
+    for a, b in zip(grads[WHOLE], grads[False], strict=True):  # bf16 rounding apart
+        a, b = a.float(), b.float()
+        assert (a - b).norm() <= 2e-2 * b.norm() and b.norm() > 0

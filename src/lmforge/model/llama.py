@@ -29,6 +29,7 @@ from lmforge.model import ops
 from lmforge.model.frozen import compute_weight, frozen_linear
 from lmforge.model.loss import (
     LIGER,
+    WHOLE,
     cross_entropy,
     liger_linear_cross_entropy,
     linear_cross_entropy,
@@ -307,7 +308,7 @@ def init_parameter(name: str, p: torch.Tensor, n_layer: int, zero_proj: bool = F
 class Llama(nn.Module):
     """The decoder. ``forward(idx)`` -> logits; ``forward(idx, targets)`` -> (logits, loss).
 
-    With ``fused_loss`` (the default; True or LIGER) ``forward(idx, targets)`` returns
+    With ``fused_loss`` (the default; True, WHOLE or LIGER) ``forward(idx, targets)`` returns
     ``(None, loss)``: the loss comes from the hidden states without materialising the
     logits. With it False, the logits and :meth:`loss` of them.
     """
@@ -321,7 +322,8 @@ class Llama(nn.Module):
         self.label_smoothing = 0.0
         self.z_loss = 0.0
         # The loss from the hidden states: True, in cache-sized chunks (loss.py's custom
-        # op); False, plain logits + cross_entropy; LIGER, Liger-Kernel's (CUDA). The run
+        # op); WHOLE, that op in one chunk; False, plain logits + cross_entropy; LIGER,
+        # Liger-Kernel's (CUDA). The run
         # sets it from train.fused_loss (train/loss_choice.py).
         self.fused_loss: bool | str = True
         self.tok_embeddings = nn.Embedding(vocab_size, cfg.n_embd)
@@ -389,10 +391,14 @@ class Llama(nn.Module):
         loss (``forward``'s return). A method of its own so that a sharded model, whose
         root runs eager, compiles it alone (lmforge.train.fsdp)."""
         x = self.norm(x)
-        if targets is not None and self.fused_loss:  # True (chunked) or LIGER
+        if targets is not None and self.fused_loss:  # True (chunked), WHOLE or LIGER
             head = compute_weight(self.lm_head.weight, x)  # a 16-bit frozen head: see frozen.py
-            fused = liger_linear_cross_entropy if self.fused_loss == LIGER else linear_cross_entropy
-            return None, fused(x, head, targets, self.label_smoothing, self.z_loss)
+            if self.fused_loss == LIGER:
+                return None, liger_linear_cross_entropy(x, head, targets, self.label_smoothing,
+                                                        self.z_loss)
+            whole = max(1, targets.numel()) if self.fused_loss == WHOLE else None
+            return None, linear_cross_entropy(x, head, targets, self.label_smoothing,
+                                              self.z_loss, chunk_tokens=whole)
         logits = self.lm_head(x)
         if targets is None:
             return logits

@@ -27,6 +27,11 @@ IGNORE_INDEX = -100
 # Llama.fused_loss names the head's loss path: True, this module's chunked op; False, the
 # plain logits and cross_entropy; LIGER, Liger-Kernel's fused linear cross-entropy.
 LIGER = "liger"
+# ... and WHOLE, the chunked op over all of a micro-batch's tokens in one chunk: on CUDA,
+# where the Triton kernel writes the gradient in place of 16-bit logits, one chunk holds
+# the plain loss's logits but reads them once (the plain loss's log-softmax reads them
+# twice and writes a same-sized gradient), and each head matmul runs once at full size.
+WHOLE = "whole"
 
 # Most logits in one chunk, per device, and fewest tokens. It is memory that chunks
 # save; time depends on both ends. Each chunk reads the whole (V, d) head again and a

@@ -9,6 +9,9 @@ measured once by a short timed probe: forward + backward of a head of the model'
 under the run's autocast and compiled where its step is, for
 
 - ``chunked``: the custom op;
+- ``whole``: the custom op in one chunk of the whole micro-batch, where its Triton kernel
+  runs (CUDA) and the micro-batch is more than one default chunk, on the plain loss's
+  condition below (it holds as many logits, in 16 bits);
 - ``plain``: the whole logits and ``cross_entropy``, fused by Inductor inside the compiled
   graph; a candidate only where one eager forward + backward of the model itself with
   it fits at the micro-batch while stand-ins for AdamW's moments are held (as
@@ -37,10 +40,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lmforge.config import ModelConfig, TrainConfig
+from lmforge.model import loss_kernel
 from lmforge.model.compiling import before_compile
 from lmforge.model.loss import (
     LIGER,
+    WHOLE,
     cross_entropy,
+    default_chunk_tokens,
     liger_available,
     liger_linear_cross_entropy,
     linear_cross_entropy,
@@ -51,7 +57,7 @@ from lmforge.train.probe import oom_free
 
 AUTO = "auto"
 # Llama.fused_loss for each path, in the order ties go.
-PATHS: dict[str, bool | str] = {"chunked": True, "plain": False, LIGER: LIGER}
+PATHS: dict[str, bool | str] = {"chunked": True, WHOLE: WHOLE, "plain": False, LIGER: LIGER}
 PROBE_WARMUP = 2  # calls before timing: compilation, allocator and autotuning warm-up
 PROBE_REPEATS = 5  # timed calls; the median counts
 
@@ -77,9 +83,9 @@ class HeadProbe:
 
 
 def path_name(fused_loss: bool | str) -> str:
-    """The name of a ``Llama.fused_loss`` value: chunked, plain or liger."""
-    if fused_loss == LIGER:
-        return LIGER
+    """The name of a ``Llama.fused_loss`` value: chunked, whole, plain or liger."""
+    if fused_loss in (LIGER, WHOLE):
+        return str(fused_loss)
     return "chunked" if fused_loss else "plain"
 
 
@@ -111,6 +117,9 @@ def loss_fn(name: str, label_smoothing: float, z_loss: float) -> LossFn:
     """``(x, weight, targets) -> loss`` of the path ``name``, as the model computes it."""
     if name == "plain":  # Llama.forward: lm_head, then Llama.loss
         return lambda x, w, t: cross_entropy(F.linear(x, w), t, label_smoothing, z_loss)
+    if name == WHOLE:  # Llama.output: one chunk of all the tokens
+        return lambda x, w, t: linear_cross_entropy(x, w, t, label_smoothing, z_loss,
+                                                    chunk_tokens=max(1, t.numel()))
     fused = liger_linear_cross_entropy if name == LIGER else linear_cross_entropy
     return lambda x, w, t: fused(x, w, t, label_smoothing, z_loss)
 
@@ -196,9 +205,21 @@ def plain_step_fits(model: torch.nn.Module, precision: Precision, seq_len: int,
     return oom_free(step)(micro_batch)
 
 
-def candidates(fits: bool) -> list[str]:
-    """The paths a CUDA probe times: chunked; plain where it fits; liger where importable."""
-    return ["chunked"] + (["plain"] if fits else []) + ([LIGER] if liger_available() else [])
+def candidates(fits: bool, whole: bool = False) -> list[str]:
+    """The paths a CUDA probe times: chunked; whole (where ``whole``: see
+    :func:`whole_differs`) and plain where the plain step fits; liger where importable."""
+    return (["chunked"] + ([WHOLE] if fits and whole else []) + (["plain"] if fits else [])
+            + ([LIGER] if liger_available() else []))
+
+
+def whole_differs(probe: HeadProbe) -> bool:
+    """Whether one chunk of the micro-batch is another path than the chunked loss: the
+    Triton kernel runs for the probe's head (one chunk of fp32 logits would be the eager
+    path's memory at no gain) and the default chunk is smaller than the micro-batch."""
+    dtype = probe.precision.autocast_dtype or probe.hidden_dtype
+    kernel = loss_kernel.available(probe.device, dtype)
+    most = default_chunk_tokens(probe.vocab, probe.device.type, kernel)
+    return kernel and probe.tokens > most
 
 
 def head_probe(cfg: TrainConfig, model: torch.nn.Module, precision: Precision,
@@ -227,7 +248,7 @@ def fused_loss_for_run(cfg: TrainConfig, mcfg: ModelConfig, model: torch.nn.Modu
         probe = head_probe(cfg, model, precision, device, compiled, micro_batch * mcfg.seq_len)
         fits = (not (cfg.strategy == "fsdp" and env.distributed)
                 and plain_step_fits(model, precision, mcfg.seq_len, micro_batch, device))
-        chosen, why = choose(probe_seconds(candidates(fits), probe))
+        chosen, why = choose(probe_seconds(candidates(fits, whole_differs(probe)), probe))
         log(f"train: fused_loss auto: {chosen} loss (forward + backward of the head at "
             f"{probe.tokens:,} tokens: {why}"
             + ("" if fits else "; the plain loss does not fit this step") + ")")
