@@ -65,13 +65,13 @@ from lmforge.config import ModelConfig, TrainConfig
 from lmforge.model import loss as loss_module
 from lmforge.model.compiling import before_compile
 from lmforge.model.llama import Llama
-from lmforge.model.loss import LIGER
+from lmforge.model.loss import LIGER, WHOLE
 from lmforge.plan import Setup, plan
 from lmforge.shards.loader import ShardSet, WindowLoader
 from lmforge.shards.writer import write_shards
 from lmforge.train.compiler import resolve_compile
 from lmforge.train.distributed import DistEnv
-from lmforge.train.fsdp import build_sharded, ensure_process_group
+from lmforge.train.fsdp import build_sharded, compiled_scope, ensure_process_group
 from lmforge.train.loss_choice import describe, fused_loss_for_run
 from lmforge.train.optim import build_optimizer
 from lmforge.train.precision import Precision, resolve_precision
@@ -176,7 +176,7 @@ def build_step(strategy: str, args: argparse.Namespace, device: torch.device, sh
         model = build_sharded(mcfg, shape["vocab"], env, precision.name == "bf16",
                               compile_blocks=compiled)
         step_model = model
-        how += " per block" if compiled else ""
+        how += f" {compiled_scope(env.world_size)}" if compiled else ""
     else:
         model = Llama(mcfg, shape["vocab"]).to(device)
         if compiled:
@@ -201,24 +201,42 @@ def plan_estimate(step: Step, strategy: str, vocab: int, micro: int,
     # bool, and the string "auto" would plan the chunked loss whatever the run took.
     setup = Setup(model=step.mcfg, vocab=vocab, precision=step.precision.name, world=1,
                   activation_checkpointing=step.cfg.activation_checkpointing,
-                  fused_loss=bool(step.model.fused_loss), optimizer=step.cfg.optimizer)
+                  # The whole path holds the plain loss's logits (16-bit): planned as it.
+                  fused_loss=step.model.fused_loss not in (False, WHOLE),
+                  optimizer=step.cfg.optimizer)
     # The device's size only decides 'fits'; a CPU gets the command's default of 80 GiB.
     device_gib = (torch.cuda.get_device_properties(device).total_memory / GIB
                   if device.type == "cuda" else 80.0)
     return plan(setup, device_gib, micro)["fsdp" if strategy == "fsdp" else "ddp"]
 
 
-def time_steps(step: Step, loader: WindowLoader, n: int,
-               device: torch.device) -> tuple[list[float], list[float]]:
-    """Seconds and loss of each of ``n`` steps, the device synchronised around each."""
+def time_steps(step: Step, loader: WindowLoader, n: int, device: torch.device,
+               synced: bool = True) -> tuple[list[float], list[float]]:
+    """Seconds and loss of each of ``n`` steps.
+
+    ``synced``: the device drained before and after each step, so each is timed alone,
+    its launch latency included. Otherwise back to back, as the training loop runs them:
+    the host waits only for what a step reads back (lmforge's loss and grad norm,
+    ``HostRead``, with the update still queued; nanoGPT's ``loss.item()``), and each
+    step's time is the host's interval from the previous step's return, the device
+    drained once at the end (that wait is the last step's)."""
     times, losses = [], []
+    _sync(device)
+    last = time.perf_counter()
     for _ in range(n):
-        _sync(device)
-        t0 = time.perf_counter()
+        if synced:
+            _sync(device)
+            last = time.perf_counter()
         loss = step.run(loader)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
+        if synced:
+            _sync(device)
+        now = time.perf_counter()
+        times.append(now - last)
         losses.append(loss)
+        last = now
+    if not synced and n:
+        _sync(device)
+        times[-1] += time.perf_counter() - last
     return times, losses
 
 
@@ -235,14 +253,15 @@ def measure(strategy: str, args: argparse.Namespace, device: torch.device, shape
     with tempfile.TemporaryDirectory() as tmp:
         # The same data for every strategy, profiled or not (the window order depends on
         # the set's size), so their losses compare.
-        steps = args.warmup + args.steps + args.profile_steps + 2
+        steps = args.warmup + 2 * args.steps + args.profile_steps + 2
         loader = WindowLoader(random_shards(Path(tmp), shape["vocab"], tokens_per_step * steps),
                               step.mcfg.seq_len, micro, seed=0)
         t0 = time.perf_counter()
         for _ in range(args.warmup):
             step.run(loader)
         warmup_s = time.perf_counter() - t0
-        times, losses = time_steps(step, loader, args.steps, device)
+        synced, _ = time_steps(step, loader, args.steps, device, synced=True)
+        times, losses = time_steps(step, loader, args.steps, device, synced=False)
         memory = memory_mb(device)  # before the profiler's own buffers
         profile = None
         if profile_steps:
@@ -256,6 +275,8 @@ def measure(strategy: str, args: argparse.Namespace, device: torch.device, shape
             "tokens_per_step": tokens_per_step, "warmup_s": warmup_s,
             "step_ms_median": statistics.median(times) * 1000,
             "tok_s": tokens_per_step / statistics.median(times), "losses": losses,
+            "step_ms_synced": statistics.median(synced) * 1000,
+            "tok_s_synced": tokens_per_step / statistics.median(synced),
             "memory_mb": memory, "allocated_before_mb": before,
             "memory_of": ("CUDA max_memory_allocated since the model was built"
                           if device.type == "cuda" else "the process's peak RSS"), "seq_len": step.mcfg.seq_len,
@@ -486,7 +507,9 @@ def profile_nanogpt(args: argparse.Namespace, device: torch.device, shape: dict,
     step = SimpleNamespace(run=run)
     for _ in range(args.warmup):
         step.run(None)
-    times, _ = time_steps(step, None, args.steps, device)  # type: ignore[arg-type]
+    # Back to back, as train.py runs it (its loss.item() is its one sync a step).
+    times, _ = time_steps(step, None, args.steps, device,  # type: ignore[arg-type]
+                          synced=False)
     prof = profile_step(step, None, args.profile_steps, device)  # type: ignore[arg-type]
     ms = statistics.median(times) * 1000
     title = (f"nanoGPT model.py in-process profile: {shape}, batch {micro}x{shape['seq_len']}, "
@@ -508,6 +531,7 @@ def strategy_figures(r: dict, peak: float | None, ceiling: float) -> dict:
     # The plan's compiled total where the step compiles (the plain loss fused by Inductor).
     planned_mib = (r["plan"]["total_compiled"] if "compiled" in r["how"] else r["plan"]["total"]) / MIB
     return {"tok_s": r["tok_s"], "step_ms_median": r["step_ms_median"],
+            "tok_s_synced": r["tok_s_synced"], "step_ms_synced": r["step_ms_synced"],
             "tflops": flops / 1e12, "mfu_spec": flops / peak if peak else None,
             "mfu_matmul": flops / ceiling, "peak_memory_mib": r["memory_mb"],
             "peak_memory_of": r["memory_of"],
@@ -528,8 +552,11 @@ def report(r: dict, f: dict, args: argparse.Namespace, name: str, micro: int,
           f"{r['params'] / 1e6:.1f}M params; batch {micro}x{args.accum}x{r['seq_len']} = "
           f"{r['tokens_per_step']:,} tokens/step; warm-up {args.warmup} steps in "
           f"{r['warmup_s']:.1f} s")
-    print(f"[{s}] tokens/s (median of {args.steps} steps): {r['tok_s']:,.0f}; "
-          f"model {f['tflops']:.2f} TFLOP/s ({r['flops_per_token'] / 1e6:.1f} MFLOP/token)")
+    print(f"[{s}] tokens/s (median of {args.steps} steps back to back, as the loop runs "
+          f"them): {r['tok_s']:,.0f}; model {f['tflops']:.2f} TFLOP/s "
+          f"({r['flops_per_token'] / 1e6:.1f} MFLOP/token)")
+    print(f"[{s}] each step alone (the device drained around it): {r['tok_s_synced']:,.0f} "
+          f"tokens/s, {r['step_ms_synced']:.2f} ms a step")
     print(f"[{s}] MFU vs spec peak: {f['mfu_spec']:.1%} of {peak / 1e12:.0f} TFLOP/s"
           if peak else f"[{s}] MFU vs spec peak: n/a (no known {r['precision']} "
           f"peak for {name})")

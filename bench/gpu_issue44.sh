@@ -25,11 +25,10 @@ variant() {  # name, then bench_gpu_mfu.py arguments; skipped when the budget is
 {
   echo "=== CUDA tests"
   timeout 150 python3 -m pytest -q -p no:cacheprovider -n 0 tests/test_model_loss_kernel.py \
-    tests/test_train_step_device_skip.py tests/test_model_llama.py \
+    tests/test_train_step_device_skip.py tests/test_model_llama.py tests/test_loss_choice.py \
     -k "cuda or gpu" 2>&1 | tail -4
-  variant coordinate-descent --inductor coordinate_descent_tuning=True
-  variant no-cudnn-attention --no-cudnn-attention
   variant plain-loss --fused-loss false
+  variant no-cudnn-attention --no-cudnn-attention
   variant kernel-loss --fused-loss true
 } > "$OUT/variants.log" 2>&1
 cat "$OUT/variants.log"
