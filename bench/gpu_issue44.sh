@@ -27,8 +27,9 @@ variant() {  # name, then bench_gpu_mfu.py arguments; skipped when the budget is
   timeout 150 python3 -m pytest -q -p no:cacheprovider -n 0 tests/test_model_loss_kernel.py \
     tests/test_train_step_device_skip.py tests/test_model_llama.py tests/test_loss_choice.py \
     -k "cuda or gpu" 2>&1 | tail -4
-  variant plain-loss --fused-loss false
+  variant cuda-graphs --compile-mode reduce-overhead
   variant no-cudnn-attention --no-cudnn-attention
+  variant plain-loss --fused-loss false
   variant kernel-loss --fused-loss true
 } > "$OUT/variants.log" 2>&1
 cat "$OUT/variants.log"
