@@ -22,7 +22,9 @@ GIB = 1 << 30
 MIB = 1 << 20
 SELF_CUDA = re.compile(r"Self CUDA time total: ([\d.]+)(ms|us|s)\b")
 VARIANT = re.compile(r"^=== variant (\S+): (.*)$")
-VARIANT_TOK = re.compile(r"^\[plain\] tokens/s \(median of \d+ steps\): ([\d,]+)")
+# "(median of 20 steps)" before steps were timed back to back, "(median of 20 steps back
+# to back, as the loop runs them)" since.
+VARIANT_TOK = re.compile(r"^\[plain\] tokens/s \(median of \d+ steps[^)]*\): ([\d,]+)")
 VARIANT_MEM = re.compile(r"^\[plain\] peak memory ([\d,]+) MB")
 UNIT_MS = {"ms": 1.0, "us": 1e-3, "s": 1e3}
 
@@ -82,11 +84,19 @@ def rows(run: Path) -> list[dict]:
                             ("fsdp", "lmforge, FSDP2 on a one-process mesh",
                              "profile_fsdp.txt")):
         f = doc.get(key)
-        if f:
-            out.append({"what": f"{what}; {f['how'].split('; ')[-1]}", "tok_s": f["tok_s"],
-                        "step_ms": f["step_ms_median"], "busy_ms": busy_ms(run / prof, steps),
-                        "memory_gib": f["peak_memory_mib"] / 1024,
-                        "plan_gib": compiled_plan_gib(doc, key)})
+        if not f:
+            continue
+        # Since run3 the headline is the steps back to back, beside each step alone
+        # (the device drained around it, as every step of run1 and run2 was timed).
+        alone = "tok_s_synced" in f
+        out.append({"what": f"{what}; {f['how'].split('; ')[-1]}"
+                            + ("; steps back to back" if alone else ""), "tok_s": f["tok_s"],
+                    "step_ms": f["step_ms_median"], "busy_ms": busy_ms(run / prof, steps),
+                    "memory_gib": f["peak_memory_mib"] / 1024,
+                    "plan_gib": compiled_plan_gib(doc, key)})
+        if alone:
+            out.append({"what": f"{what}; each step alone", "tok_s": f["tok_s_synced"],
+                        "step_ms": f["step_ms_synced"]})
     if nano_tok:
         n = doc["nanogpt"]
         out.append({"what": "upstream nanoGPT train.py, median of iterations 5-40",

@@ -39,3 +39,19 @@ def test_a_variant_that_failed_has_no_figures(tmp_path):
     got = gpu_table.variants(tmp_path / "variants.log")
     assert [(v["name"], v["tok_s"], v["memory_mib"]) for v in got] == [
         ("liger", None, None), ("ok", 1234.0, 2048.0)]
+
+
+def test_a_run_timed_back_to_back_shows_each_step_alone_beside_it():
+    run = RUN.with_name("run4")
+    doc = json.loads((run / "bench_gpu_mfu.json").read_text())
+    rows = gpu_table.rows(run)
+    whats = [r["what"] for r in rows]
+    assert whats[0].endswith("; steps back to back") and whats[1].endswith("each step alone")
+    assert rows[0]["tok_s"] == doc["plain"]["tok_s"]
+    assert rows[1]["tok_s"] == doc["plain"]["tok_s_synced"]
+    assert rows[2]["tok_s"] / rows[0]["tok_s"] == pytest.approx(doc["ratios"]["fsdp_over_plain"])
+    # The variant's line since the steps were timed back to back.
+    variants = [r for r in rows if r["what"].startswith("variant:")]
+    assert len(variants) == 1 and variants[0]["tok_s"] > 0
+    log = (run / "variants.log").read_text()
+    assert "median of 20 steps back to back" in log
