@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import ast
 import gc
+import gzip
 import hashlib
 import json
 import os
@@ -241,7 +242,7 @@ def time_steps(step: Step, loader: WindowLoader, n: int, device: torch.device,
 
 
 def measure(strategy: str, args: argparse.Namespace, device: torch.device, shape: dict,
-            micro: int, profile_steps: int = 0) -> dict:
+            micro: int, profile_steps: int = 0, trace: Path | None = None) -> dict:
     """Time the training step of ``strategy``; with ``profile_steps``, profile that many
     more steps after the timed ones (the ``profile`` entry: rows and the ops table)."""
     gc.collect()
@@ -266,7 +267,7 @@ def measure(strategy: str, args: argparse.Namespace, device: torch.device, shape
         profile = None
         if profile_steps:
             try:
-                profile = profile_step(step, loader, profile_steps, device)
+                profile = profile_step(step, loader, profile_steps, device, trace)
             except Exception as e:  # a profiler failure must not lose the step's figures
                 traceback.print_exc()
                 profile = {"error": f"{type(e).__name__}: {e}"}
@@ -296,16 +297,20 @@ def free_compiled(device: torch.device) -> None:
 # --------------------------------------------------------------------------- profile
 
 
-def profile_step(step: Step, loader: WindowLoader, n: int,
-                 device: torch.device) -> dict[str, Any]:
+def profile_step(step: Step, loader: WindowLoader, n: int, device: torch.device,
+                 trace: Path | None = None) -> dict[str, Any]:
     """``n`` steps under ``torch.profiler``: the top kernels (CPU ops on a CPU) by self
-    time, and the profiler's own table of ops, as :func:`format_profile` writes them."""
+    time, and the profiler's own table of ops, as :func:`format_profile` writes them;
+    with ``trace``, the timeline too (a gzipped Chrome trace: where the GPU waits for
+    the host, and what the host was doing then)."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(n):
             step.run(loader)
         _sync(device)
+    if trace is not None:
+        write_trace(prof, trace)
     events = prof.key_averages()
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
     busy = (sum(e.self_device_time_total for e in events if is_kernel(e))
@@ -315,6 +320,16 @@ def profile_step(step: Step, loader: WindowLoader, n: int,
             "busy_ms_per_step": busy / 1000 / max(n, 1),
             "top": top_events(events, cuda, n),
             "ops_table": events.table(sort_by=sort, row_limit=PROFILE_ROWS)}
+
+
+def write_trace(prof: Any, path: Path) -> None:
+    """The profiler's Chrome trace, gzipped (a few MB raw for three steps)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        with raw.open("rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
 
 
 def is_kernel(event: Any) -> bool:
@@ -637,6 +652,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile", default=None, metavar="FILE",
                     help="write the top kernels of lmforge's step by self time here")
     ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--trace", action="store_true",
+                    help="with --profile: also the plain step's timeline, "
+                         "trace_plain.json.gz beside the profile (Chrome trace format)")
     ap.add_argument("--nanogpt-profile", action="store_true",
                     help="with --nanogpt and --profile: also profile nanoGPT's model.py "
                          "stepped in this process (profile_nanogpt.txt)")
@@ -664,6 +682,7 @@ def resolve_outputs(args: argparse.Namespace, ap: argparse.ArgumentParser) -> No
         args.nanogpt = args.nanogpt or str(REPO / ".nanogpt")
         args.profile = args.profile or str(out / "profile.txt")
         args.nanogpt_profile = True
+        args.trace = True
     if out is not None:
         args.json = args.json or str(out / "bench_gpu_mfu.json")
     args.nanogpt_log = out / "nanogpt.log" if out is not None and args.nanogpt else None
@@ -814,8 +833,11 @@ def run_strategies(c: Check) -> None:
     strategies = ("plain", "fsdp") if args.strategy == "both" else (args.strategy,)
     for strategy in strategies:
         prof = args.profile_steps if args.profile else 0
-        r = run_phase(doc, strategy, lambda s=strategy, p=prof: measure(
-            s, args, c.device, c.shape, c.micro, p), c.save)
+        # The plain step's timeline only: a device call brings back 8 files at most.
+        trace = (Path(args.profile).with_name("trace_plain.json.gz")
+                 if args.profile and args.trace and strategy == "plain" else None)
+        r = run_phase(doc, strategy, lambda s=strategy, p=prof, t=trace: measure(
+            s, args, c.device, c.shape, c.micro, p, t), c.save)
         free_compiled(c.device)
         if r is None:
             continue

@@ -6,6 +6,7 @@ train.py when NANOGPT_DIR names a checkout)."""
 from __future__ import annotations
 
 import ast
+import gzip
 import json
 import os
 import re
@@ -293,6 +294,11 @@ def test_cpu_run_of_the_whole_check_writes_every_figure(tmp_path):
     assert doc["nanogpt"]["commit"] == "0123456789abcdef"
     assert (out / "nanogpt.log").read_text().count("iter ") == 41
     profile = (out / "profile.txt").read_text()
+    # The plain step's timeline: a Chrome trace of the profiled steps, gzipped.
+    with gzip.open(out / "trace_plain.json.gz", "rt") as f:
+        trace = json.load(f)
+    assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+    assert not (out / "trace_fsdp.json.gz").exists()
     assert "the plain step" in profile and "top " in profile and "CPU ops" in profile
     assert len(re.findall(r"^ +\d+ +[\d.]+ +[\d.]+% +\d+ +\S", profile, re.M)) == 15
     # Every strategy profiled, and nanoGPT's model.py stepped in this process beside it.
