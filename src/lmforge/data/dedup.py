@@ -52,12 +52,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from lmforge.config import DedupConfig
 from lmforge.data import minhash
 from lmforge.data.counts import Counts
 from lmforge.data.quality import quality_score
-from lmforge.data.records import list_parts, read_table, write_table
+from lmforge.data.records import COMPRESSION, list_parts, read_table, write_table
 from lmforge.executor import Executor, LocalExecutor, PartLog, output_settings
 from lmforge.io import atomic_path, files_fingerprint, resumable_dir
 
@@ -74,10 +75,17 @@ CLUSTERS_SCHEMA = pa.schema(
 )
 SIG_SUFFIX = ".sig.npy"  # uint32 [num_perm, n]: slot-major, so a band is contiguous
 META_SUFFIX = ".meta.npz"  # keys uint64 [n, 2], chars int64 [n], quality float64 [n]
+# The exact keys again, ordered by slot: keys uint64 [n, 2], their rows int64 [n], and
+# where each of the SLOTS slots starts (int64 [SLOTS + 1]).
+XKEYS_SUFFIX, XROWS_SUFFIX, XOFF_SUFFIX = ".xkeys.npy", ".xrows.npy", ".xoff.npy"
+SLOT_BITS = 8
+SLOTS = 1 << SLOT_BITS  # an exact task takes a run of slots: at most this many tasks
+EXACT_ROWS_PER_TASK = 1 << 23  # documents an exact task groups (~0.4 GB)
 BAND_ROWS_PER_TASK = 1 << 23  # representatives one band task sorts (~0.5 GB at 8 rows)
 PAIR_CHUNK = 1 << 16  # bucket pairs checked at once (two signatures each)
 GATHER_ROWS = 1 << 16  # signatures read at once for a run of buckets
 EDGE_CAP = 1 << 22  # confirmed pairs a band task holds before reducing them to a forest
+CLUSTER_ROW_GROUP = 1 << 20  # clusters.parquet's rows a row group (write_table's default)
 
 
 def lsh_threshold(bands: int, rows: int) -> float:
@@ -95,28 +103,27 @@ class SketchTask:
     out: str  # file stem: <out>.sig.npy, <out>.meta.npz
 
 
-@dataclass
-class PartMeta:
-    """What the driver keeps of one part: everything else is in the sketch files."""
-
-    ids: pa.Array
-    domains: pa.Array
-    n: int
-
-
 def _save(path: str | Path, save: Any, *args: Any, **kwargs: Any) -> None:
     """``np.save``/``np.savez`` to exactly ``path``, atomically."""
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         save(f, *args, **kwargs)
 
 
-def sketch_part(task: SketchTask) -> PartMeta:
-    """Exact keys, lengths, quality and MinHash signatures of one part, to files (worker)."""
+def key_slots(keys: np.ndarray) -> np.ndarray:
+    """Each exact key's slot (its first half's top bits: the key is a hash, so uniform)."""
+    return (keys[:, 0] >> np.uint64(64 - SLOT_BITS)).astype(np.int64)
+
+
+def sketch_part(task: SketchTask) -> int:
+    """Exact keys, lengths, quality and MinHash signatures of one part, to files; the
+    keys also ordered by slot (``.xkeys.npy``, ``.xrows.npy``, ``.xoff.npy``) so an
+    exact task reads its slots' rows alone (worker). Returns the part's row count."""
     cfg = task.cfg
-    table = read_table(task.path, columns=["id", "text", "domain"])
+    table = read_table(task.path, columns=["text"])
     texts = table.column("text").to_pylist()
     norms = [minhash.normalize(t) for t in texts]
-    keys = np.frombuffer(b"".join(minhash.exact_key(t) for t in norms), dtype=np.uint64)
+    keys = np.frombuffer(b"".join(minhash.exact_key(t) for t in norms),
+                         dtype=np.uint64).reshape(-1, 2)
     if cfg.near:
         # The whole part at once: shingling and sketching are vectorised across texts.
         sigs = minhash.signatures(norms, cfg.num_perm, cfg.seed, cfg.scheme, cfg.shingle,
@@ -127,10 +134,14 @@ def sketch_part(task: SketchTask) -> PartMeta:
     quality = np.zeros(len(texts))
     if cfg.keep == "quality":
         quality = np.array([quality_score(t) for t in texts], dtype=np.float64)
-    _save(task.out + META_SUFFIX, np.savez, keys=keys.reshape(-1, 2), chars=chars,
-          quality=quality)
-    return PartMeta(table.column("id").combine_chunks(),
-                    table.column("domain").combine_chunks(), len(texts))
+    _save(task.out + META_SUFFIX, np.savez, keys=keys, chars=chars, quality=quality)
+    slots = key_slots(keys)
+    order = np.argsort(slots, kind="stable")
+    _save(task.out + XKEYS_SUFFIX, np.save, np.ascontiguousarray(keys[order]))
+    _save(task.out + XROWS_SUFFIX, np.save, order.astype(np.int64))
+    _save(task.out + XOFF_SUFFIX, np.save,
+          np.searchsorted(slots[order], np.arange(SLOTS + 1)).astype(np.int64))
+    return len(texts)
 
 
 class Signatures:
@@ -168,7 +179,72 @@ class Signatures:
         return out if out is not None else np.empty((len(idx), 0), dtype=np.uint32)
 
 
-# --- 2 and 4. exact groups and components (driver) -----------------------------------
+# --- 2. exact groups (task per run of slots) ----------------------------------------
+
+
+@dataclass(frozen=True)
+class ExactTask:
+    stems: tuple[str, ...]  # the parts' sketch files
+    offsets: tuple[int, ...]  # each part's first global index, then the total
+    slots: tuple[int, int]  # [first, last) slot of the exact keys grouped here
+    out: str  # .npy of int64 [k, 2]: (document, its group's first) where they differ
+
+
+def exact_pairs(task: ExactTask) -> int:
+    """Exact groups among the documents whose keys fall in the task's slots: every
+    document that is not the first of its group, with that first (worker). Equal keys
+    share a slot, so each group is whole in one task."""
+    lo, hi = task.slots
+    docs, keys = [], []
+    for stem, offset in zip(task.stems, task.offsets, strict=True):
+        cut = np.load(stem + XOFF_SUFFIX)
+        a, b = int(cut[lo]), int(cut[hi])
+        if a == b:
+            continue
+        keys.append(np.load(stem + XKEYS_SUFFIX, mmap_mode="r")[a:b])
+        docs.append(np.load(stem + XROWS_SUFFIX, mmap_mode="r")[a:b] + offset)
+    pairs = np.zeros((0, 2), dtype=np.int64)
+    if docs:
+        doc = np.concatenate(docs)
+        order = np.argsort(doc)  # document order, as exact_groups' ties need
+        doc = doc[order]
+        first = doc[exact_groups(np.concatenate(keys)[order])]
+        dup = first != doc
+        pairs = np.stack([doc[dup], first[dup]], axis=1)
+    _save(task.out, np.save, pairs)
+    return len(pairs)
+
+
+def _exact_tasks(stems: list[str], offsets: np.ndarray, work: Path,
+                 workers: int) -> list[ExactTask]:
+    """Runs of slots: two tasks a worker, each within ``EXACT_ROWS_PER_TASK`` documents
+    on average, at most one a slot."""
+    n = int(offsets[-1])
+    count = min(SLOTS, max(1, 2 * workers, math.ceil(n / EXACT_ROWS_PER_TASK)))
+    bounds = np.linspace(0, SLOTS, count + 1).round().astype(int)
+    return [ExactTask(tuple(stems), tuple(int(o) for o in offsets[:-1]), (int(a), int(b)),
+                      str(work / f"s{a:03d}-{b:03d}.npy"))
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def exact_parents(stems: list[str], offsets: np.ndarray, work: Path, executor: Executor,
+                  log: PartLog) -> tuple[np.ndarray, np.ndarray]:
+    """Step 2: the forest of exact groups (each document pointing at its group's first,
+    as :func:`exact_groups` of all the keys would) and the exact pairs, ``(document,
+    first)`` for every document that is not its group's first, sorted by document."""
+    parent = np.arange(int(offsets[-1]), dtype=np.int64)
+    work.mkdir(exist_ok=True)
+    tasks = _exact_tasks(stems, offsets, work, executor.workers)
+    for _ in executor.map(exact_pairs, tasks, "dedup: exact", log):
+        pass
+    pairs = [np.load(t.out) for t in tasks]
+    pairs = np.concatenate(pairs) if pairs else np.zeros((0, 2), dtype=np.int64)
+    pairs = pairs[np.argsort(pairs[:, 0])]
+    parent[pairs[:, 0]] = pairs[:, 1]
+    return parent, pairs
+
+
+# --- 4. components (driver) -----------------------------------------------------------
 
 
 def exact_groups(keys: np.ndarray) -> np.ndarray:
@@ -373,10 +449,10 @@ def band_edges(task: BandTask) -> int:
     return len(u)  # edges written: a spanning forest of the confirmed pairs
 
 
-# --- 5. write (task per part) --------------------------------------------------------
+# --- 5. clusters (driver, members only) ------------------------------------------------
 
 
-def choose_kept(roots: np.ndarray, chars: np.ndarray, keep: str,
+def choose_kept(roots: np.ndarray, chars: np.ndarray | None, keep: str,
                 quality: np.ndarray | None = None) -> np.ndarray:
     """For every document, the index of the document its cluster keeps.
 
@@ -386,6 +462,7 @@ def choose_kept(roots: np.ndarray, chars: np.ndarray, keep: str,
     n = len(roots)
     if keep == "first" or not n:
         return roots.copy()  # the union-find root is the cluster's first member
+    assert chars is not None
     keys = [np.arange(n), -chars]  # lexsort: the last key is the primary one
     if keep == "quality":
         assert quality is not None
@@ -397,18 +474,195 @@ def choose_kept(roots: np.ndarray, chars: np.ndarray, keep: str,
     return best[roots]
 
 
+def _points(parent: np.ndarray, fixed: bool, chunk: int = 1 << 20) -> np.ndarray:
+    """The documents ``x`` with ``parent[x] == x`` (``fixed``) or not, ascending, a chunk
+    at a time (no index array of every document)."""
+    out = [np.flatnonzero((parent[lo : lo + chunk] == np.arange(lo, min(lo + chunk,
+                                                                         len(parent))))
+                          == fixed) + lo for lo in range(0, len(parent), chunk)]
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+def _first_of(docs: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """Each document's exact group's first (``pairs``: :func:`exact_parents`'s)."""
+    at = np.searchsorted(pairs[:, 0], docs)
+    hit = at < len(pairs)
+    hit[hit] = pairs[at[hit], 0] == docs[hit]
+    out = docs.copy()
+    out[hit] = pairs[at[hit], 1]
+    return out
+
+
+def _member_meta(stems: list[str], offsets: np.ndarray, docs: np.ndarray,
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """The lengths and quality scores of ``docs`` (ascending), one part's file at a time."""
+    chars = np.empty(len(docs), dtype=np.int64)
+    quality = np.empty(len(docs), dtype=np.float64)
+    cut = np.searchsorted(docs, offsets)
+    for p in np.flatnonzero(np.diff(cut)):
+        lo, hi = cut[p], cut[p + 1]
+        with np.load(stems[p] + META_SUFFIX) as f:
+            local = docs[lo:hi] - offsets[p]
+            chars[lo:hi], quality[lo:hi] = f["chars"][local], f["quality"][local]
+    return chars, quality
+
+
+def _similarity(sigs: Signatures, docs: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    out = np.empty(len(docs))
+    for lo in range(0, len(docs), PAIR_CHUNK):
+        hi = lo + PAIR_CHUNK
+        out[lo:hi] = minhash.jaccard(sigs.rows(docs[lo:hi]), sigs.rows(kept[lo:hi]))
+    return out
+
+
+@dataclass
+class Members:
+    """The documents in clusters of two or more, ascending, and what clusters.parquet
+    says of each; every other document is its own cluster, kept, similarity 1."""
+
+    docs: np.ndarray  # int64
+    kept: np.ndarray  # int64: the document its cluster keeps
+    exact: np.ndarray  # bool: in the kept document's exact group
+    similarity: np.ndarray  # float64: estimated Jaccard to the kept document
+    clusters: int
+
+
+def cluster_members(cfg: DedupConfig, roots: np.ndarray, pairs: np.ndarray,
+                    stems: list[str], offsets: np.ndarray) -> Members:
+    """The clusters' members, the documents they keep (lengths and quality read for
+    the members alone), exact or near, and their similarity."""
+    moved = _points(roots, fixed=False)
+    heads = np.unique(roots[moved])
+    docs = np.union1d(moved, heads)
+    root_at = np.searchsorted(docs, roots[docs])  # each member's root, as a member index
+    chars, quality = (_member_meta(stems, offsets, docs) if cfg.keep != "first"
+                      else (None, None))
+    kept = docs[choose_kept(root_at, chars, cfg.keep, quality)]
+    exact = _first_of(docs, pairs) == _first_of(kept, pairs)
+    similarity = exact.astype(np.float64)
+    near = np.flatnonzero(~exact)
+    if len(near):
+        similarity[near] = _similarity(Signatures(stems, offsets), docs[near], kept[near])
+    return Members(docs, kept, exact, similarity, len(heads))
+
+
+# --- 6. names and write (tasks per part) ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NameTask:
+    src: str
+    rows: np.ndarray  # int64: the part's rows whose ids are asked for
+
+
+def read_names(task: NameTask) -> pa.Array:
+    """The ids of some rows of a part (worker): the documents clusters keep."""
+    return read_table(task.src, columns=["id"]).column("id").take(pa.array(task.rows)
+                                                                  ).combine_chunks()
+
+
 @dataclass(frozen=True)
 class WriteTask:
     src: str
     out: str
-    keep: np.ndarray  # bool per row
+    clusters: str  # where this part's rows of clusters.parquet go
+    rows: np.ndarray  # int64: the part's rows in clusters of two or more
+    kept: np.ndarray  # bool per member row
+    exact: np.ndarray  # bool per member row
+    similarity: np.ndarray  # float64 per member row
+    names: pa.Array  # string per member row: its kept document's id (null: itself)
 
 
-def write_part(task: WriteTask) -> int:
-    """Rewrite one part with only its kept rows (worker)."""
+def write_part(task: WriteTask) -> tuple[int, Counts]:
+    """Rewrite one part with only its kept rows, and its rows of clusters.parquet
+    (worker) -> (rows kept, the part's counts)."""
     table = read_table(task.src)
-    write_table(table.filter(pa.array(task.keep)), task.out)
-    return int(task.keep.sum())
+    n = table.num_rows
+    is_kept = np.ones(n, dtype=bool)
+    is_kept[task.rows] = task.kept
+    exact = np.ones(n, dtype=bool)
+    exact[task.rows] = task.exact
+    similarity = np.ones(n)
+    similarity[task.rows] = task.similarity
+    write_table(table.filter(pa.array(is_kept)), task.out)
+    ids = table.column("id").combine_chunks()
+    named = np.zeros(n, dtype=bool)
+    named[task.rows] = task.names.is_valid().to_numpy(zero_copy_only=False)
+    cluster = pc.replace_with_mask(ids, pa.array(named), task.names.drop_null())
+    domains = table.column("domain").combine_chunks()
+    write_table(pa.table({"id": ids, "domain": domains, "cluster": cluster, "kept": is_kept,
+                          "similarity": similarity}, schema=CLUSTERS_SCHEMA), task.clusters)
+    return int(is_kept.sum()), _counts(domains, is_kept, exact)
+
+
+def _counts(domains: pa.Array, is_kept: np.ndarray, exact: np.ndarray) -> Counts:
+    encoded = domains.dictionary_encode()
+    codes = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    names = encoded.dictionary.to_pylist()
+    per = {what: np.bincount(codes[mask], minlength=len(names)) for what, mask in
+           (("in", slice(None)), ("kept", is_kept), (EXACT_DUP, ~is_kept & exact),
+            (NEAR_DUP, ~is_kept & ~exact))}
+    counts = Counts()
+    for d, name in enumerate(names):
+        c = counts[name]
+        c.n_in, c.kept = int(per["in"][d]), int(per["kept"][d])
+        for reason in (EXACT_DUP, NEAR_DUP):
+            if per[reason][d]:
+                c.rejected[reason] = int(per[reason][d])
+    return counts
+
+
+def kept_names(members: Members, parts: list[Path], offsets: np.ndarray,
+               executor: Executor, log: PartLog) -> tuple[np.ndarray, pa.Array]:
+    """The documents other members are kept for, ascending, and their ids (read by a
+    task per part that holds some)."""
+    wanted = np.unique(members.kept[members.kept != members.docs])
+    cut = np.searchsorted(wanted, offsets)
+    holders = np.flatnonzero(np.diff(cut))
+    tasks = [NameTask(str(parts[p]), wanted[cut[p] : cut[p + 1]] - offsets[p])
+             for p in holders]
+    names = list(executor.map(read_names, tasks, "dedup: names", log))
+    return wanted, (pa.concat_arrays(names) if names else pa.array([], pa.string()))
+
+
+def write_tasks(members: Members, parts: list[Path], offsets: np.ndarray, wanted: np.ndarray,
+                names: pa.Array, tmp: Path) -> list[WriteTask]:
+    """A task per part, with its members' rows and their kept documents' ids."""
+    cut = np.searchsorted(members.docs, offsets)
+    tasks = []
+    for k, part in enumerate(parts):
+        sel = slice(cut[k], cut[k + 1])
+        docs, kept = members.docs[sel], members.kept[sel]
+        other = kept != docs
+        at = np.searchsorted(wanted, kept)
+        mask = pa.array(~other)  # a kept document names itself (null here)
+        ids = names.take(pa.array(np.where(other, at, 0))) if len(names) else \
+            pa.nulls(len(docs), pa.string())
+        tasks.append(WriteTask(str(part), str(tmp / part.name),
+                               str(tmp / ".clusters" / part.name), docs - offsets[k],
+                               ~other, members.exact[sel], members.similarity[sel],
+                               pc.if_else(mask, pa.nulls(len(docs), pa.string()), ids)))
+    return tasks
+
+
+def write_clusters(paths: list[Path], out: Path, rows: int = CLUSTER_ROW_GROUP) -> None:
+    """clusters.parquet from the parts' rows, streamed: row groups of ``rows``, each one
+    chunk, as ``write_table`` of the whole table writes them (the same bytes)."""
+    with atomic_path(out) as tmp:
+        writer = pq.ParquetWriter(tmp, CLUSTERS_SCHEMA, compression=COMPRESSION)
+        held: list[pa.Table] = []
+        count = written = 0
+        for path in paths:
+            held.append(pq.read_table(path))
+            count += held[-1].num_rows
+            while count >= rows:
+                table = pa.concat_tables(held)
+                writer.write_table(table.slice(0, rows).combine_chunks())
+                held, count, written = [table.slice(rows)], count - rows, written + rows
+        if count or not written:  # the last rows; an empty table still writes its schema
+            writer.write_table(pa.concat_tables(held).combine_chunks() if held
+                               else CLUSTERS_SCHEMA.empty_table())
+        writer.close()
 
 
 # --- the driver -----------------------------------------------------------------------
@@ -430,16 +684,17 @@ def cluster_roots(cfg: DedupConfig, stems: list[str], offsets: np.ndarray, first
     """Steps 3 and 4: every document's cluster root, its smallest member.
 
     ``stems``: the parts' sketch files, ``offsets``: each part's first global index and
-    the total, ``first``: each document's exact group (:func:`exact_groups`), ``work``:
-    where the band tasks leave their edges and ``.done`` markers."""
+    the total, ``first``: each document's exact group (:func:`exact_parents`), joined in
+    place with ``cfg.exact``; ``work``: where the band tasks leave their edges and
+    ``.done`` markers."""
     n = int(offsets[-1])
-    parent = first.copy() if cfg.exact else np.arange(n, dtype=np.int64)
+    parent = first if cfg.exact else np.arange(n, dtype=np.int64)
     if cfg.near and n:
-        reps = np.flatnonzero(first == np.arange(n)) if cfg.exact else np.arange(n)
         reps_path = work / ".reps.npy"
-        _save(reps_path, np.save, reps)
+        _save(reps_path, np.save, _points(parent, fixed=True))
         (work / ".edges").mkdir(exist_ok=True)
-        tasks = _band_tasks(cfg, stems, offsets, str(reps_path), len(reps), work / ".edges",
+        n_reps = len(np.load(reps_path, mmap_mode="r"))
+        tasks = _band_tasks(cfg, stems, offsets, str(reps_path), n_reps, work / ".edges",
                             executor.workers)
         for _ in executor.map(band_edges, tasks, "dedup: bands",
                               PartLog(work / ".done" / "bands")):
@@ -450,101 +705,47 @@ def cluster_roots(cfg: DedupConfig, stems: list[str], offsets: np.ndarray, first
     return compress(parent)
 
 
-def _load_meta(stems: list[str], offsets: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Every part's keys, lengths and quality scores, one file open at a time."""
-    n = int(offsets[-1])
-    keys = np.empty((n, 2), dtype=np.uint64)
-    chars = np.empty(n, dtype=np.int64)
-    quality = np.empty(n, dtype=np.float64)
-    for p, stem in enumerate(stems):
-        lo, hi = offsets[p], offsets[p + 1]
-        with np.load(stem + META_SUFFIX) as f:
-            keys[lo:hi], chars[lo:hi], quality[lo:hi] = f["keys"], f["chars"], f["quality"]
-    return keys, chars, quality
-
-
-def _similarity(sigs: Signatures, docs: np.ndarray, kept: np.ndarray) -> np.ndarray:
-    out = np.empty(len(docs))
-    for lo in range(0, len(docs), PAIR_CHUNK):
-        hi = lo + PAIR_CHUNK
-        out[lo:hi] = minhash.jaccard(sigs.rows(docs[lo:hi]), sigs.rows(kept[lo:hi]))
-    return out
-
-
-def _counts(domains: pa.Array, is_kept: np.ndarray, exact: np.ndarray) -> Counts:
-    encoded = domains.dictionary_encode()
-    codes = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-    names = encoded.dictionary.to_pylist()
-    per = {what: np.bincount(codes[mask], minlength=len(names)) for what, mask in
-           (("in", slice(None)), ("kept", is_kept), (EXACT_DUP, ~is_kept & exact),
-            (NEAR_DUP, ~is_kept & ~exact))}
-    counts = Counts()
-    for d, name in enumerate(names):
-        c = counts[name]
-        c.n_in, c.kept = int(per["in"][d]), int(per["kept"][d])
-        for reason in (EXACT_DUP, NEAR_DUP):
-            if per[reason][d]:
-                c.rejected[reason] = int(per[reason][d])
-    return counts
-
-
 def run_dedup(cfg: DedupConfig, in_dir: str | Path, out_dir: str | Path,
               executor: Executor | None = None) -> dict[str, Any]:
     """Deduplicate ``in_dir`` into ``out_dir`` (+ clusters.parquet); return metrics.
 
     Tasks run on ``executor`` (default: the local pool); a rerun after a kill skips
-    the tasks already done."""
+    the tasks already done. The driver holds a few arrays of one entry a document (the
+    union-find's forest) and what it keeps of the clusters' members, never the ids."""
     executor = executor or LocalExecutor(cfg.num_workers)
     cfg = output_settings(cfg)
     parts = list_parts(in_dir)
     with resumable_dir(out_dir, files_fingerprint(parts, "dedup", cfg)) as tmp:
         done = tmp / ".done"
         stems = [str(tmp / ".sketch" / p.stem) for p in parts]
-        metas = list(executor.map(sketch_part, [SketchTask(str(p), cfg, s)
+        sizes = list(executor.map(sketch_part, [SketchTask(str(p), cfg, s)
                                                 for p, s in zip(parts, stems, strict=True)],
                                   "dedup: sketch", PartLog(done / "sketch")))
-        offsets = np.cumsum([0] + [m.n for m in metas])
-        n = int(offsets[-1])
-        ids = pa.concat_arrays([m.ids for m in metas]) if metas else pa.array([], pa.string())
-        domains = (pa.concat_arrays([m.domains for m in metas]) if metas
-                   else pa.array([], pa.string()))
-        del metas
-        keys, chars, quality = _load_meta(stems, offsets)
-        first = exact_groups(keys)
-        del keys
-
+        offsets = np.cumsum([0] + sizes)
+        first, pairs = exact_parents(stems, offsets, tmp / ".exact", executor,
+                                     PartLog(done / "exact"))
         roots = cluster_roots(cfg, stems, offsets, first, tmp, executor)
-        kept_of = choose_kept(roots, chars, cfg.keep, quality)
-        sigs = Signatures(stems, offsets)
+        members = cluster_members(cfg, roots, pairs, stems, offsets)
+        del roots, first, pairs
+        wanted, names = kept_names(members, parts, offsets, executor, PartLog(done / "names"))
+        (tmp / ".clusters").mkdir(exist_ok=True)
+        tasks = write_tasks(members, parts, offsets, wanted, names, tmp)
+        counts, written = Counts(), 0
+        for kept, part_counts in executor.map(write_part, tasks, "dedup: write",
+                                              PartLog(done / "write")):
+            written += kept
+            counts.merge(part_counts)
+        dropped = members.kept != members.docs
+        assert written == int(offsets[-1]) - int(dropped.sum())
+        write_clusters([Path(t.clusters) for t in tasks], tmp / "clusters.parquet")
 
-        exact = first == first[kept_of]
-        similarity = exact.astype(np.float64)
-        near = np.flatnonzero(~exact)
-        if len(near):
-            similarity[near] = _similarity(sigs, near, kept_of[near])
-        is_kept = kept_of == np.arange(n)
-        counts = _counts(domains, is_kept, exact)
-
-        tasks = [WriteTask(str(p), str(tmp / p.name), is_kept[offsets[k] : offsets[k + 1]])
-                 for k, p in enumerate(parts)]
-        written = sum(executor.map(write_part, tasks, "dedup: write", PartLog(done / "write")))
-        assert written == int(is_kept.sum())
-        clusters = pa.table(
-            {"id": ids, "domain": domains, "cluster": ids.take(pa.array(kept_of)),
-             "kept": is_kept, "similarity": similarity},
-            schema=CLUSTERS_SCHEMA,
-        )
-        with atomic_path(tmp / "clusters.parquet") as path:
-            write_table(clusters, path)
-
-    sizes = np.bincount(roots, minlength=n)
     metrics = counts.as_dict()
     metrics.update(
         parts=len(parts),
-        exact_dups=int((~is_kept & exact).sum()),
-        near_dups=int((~is_kept & ~exact).sum()),
-        clusters=int((sizes > 1).sum()),
-        docs_in_clusters=int(sizes[sizes > 1].sum()),
+        exact_dups=int((dropped & members.exact).sum()),
+        near_dups=int((dropped & ~members.exact).sum()),
+        clusters=members.clusters,
+        docs_in_clusters=len(members.docs),
         lsh_threshold=round(lsh_threshold(cfg.bands, cfg.rows), 4),
     )
     return metrics
