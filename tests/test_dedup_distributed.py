@@ -24,7 +24,7 @@ from lmforge.executor import LocalExecutor
 REPO = Path(__file__).resolve().parents[1]
 WORDS = [f"w{i}{c}" for i in range(400) for c in "ab"]
 HANZI = [chr(0x4E00 + i * 7) for i in range(600)]
-STEPS = ("sketch_part", "band_edges", "write_part")
+STEPS = ("sketch_part", "exact_pairs", "band_edges", "read_names", "write_part")
 
 
 # --- the old algorithm, for reference ------------------------------------------------
@@ -249,9 +249,10 @@ def test_a_rerun_after_an_interrupt_skips_the_finished_tasks(corpus, local_out, 
                                                              monkeypatch, step):
     in_dir = corpus[0]
     out = tmp_path / "out"
-    total = {"sketch_part": 12, "band_edges": 16, "write_part": 12}
+    total = {"sketch_part": 12, "exact_pairs": 2, "band_edges": 16, "read_names": 10,
+             "write_part": 12}
     assert len(list(in_dir.glob("part-*.parquet"))) == 12
-    done_before = 5
+    done_before = 1 if step == "exact_pairs" else 5
 
     real = {name: getattr(dedup, name) for name in STEPS}
     calls: dict[str, int] = dict.fromkeys(STEPS, 0)
@@ -294,3 +295,96 @@ def test_ray_writes_the_local_bytes(ray_cluster, corpus, local_out, tmp_path, mo
                         RayExecutor(ExecutorConfig("ray")))
     assert metrics == local_out[1]
     assert tree(tmp_path / "out") == tree(local_out[0])
+
+
+# --- the driver's pieces at scale ------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_exact_tasks_group_as_all_the_keys_at_once(tmp_path, workers):
+    """Keys spread over parts (some in every slot, copies across parts): the slot tasks'
+    forest is exact_groups of every key, and the pairs are its non-first documents."""
+    rng = np.random.default_rng(5)
+    n = 3000
+    keys = rng.integers(0, np.iinfo(np.uint64).max, (n, 2), dtype=np.uint64, endpoint=True)
+    src = rng.integers(0, n, 600)
+    keys[rng.integers(0, n, 600)] = keys[src]  # copies, in other parts too
+    keys[::7, 1] = keys[0, 1]  # equal second halves: only whole keys are equal
+    stems, offsets = [], [0]
+    for p, lo in enumerate(range(0, n, 700)):
+        stems.append(str(tmp_path / f"part-{p}"))
+        dedup.save_slot_keys(stems[-1], keys[lo : lo + 700])
+        offsets.append(min(lo + 700, n))
+    parent, pairs = dedup.exact_parents(stems, np.array(offsets), tmp_path / ".exact",
+                                        LocalExecutor(workers), None)
+    first = dedup.exact_groups(keys)
+    assert np.array_equal(parent, first)
+    moved = np.flatnonzero(first != np.arange(n))
+    assert np.array_equal(pairs, np.stack([moved, first[moved]], axis=1))
+    assert len(moved) > 300 and len(np.unique(dedup.key_slots(keys))) > 200
+
+
+@pytest.mark.parametrize("keep", ["first", "longest", "quality"])
+def test_members_keep_what_the_whole_arrays_would(tmp_path, keep):
+    """cluster_members reads lengths and quality for the members alone: the kept
+    documents are choose_kept's over every document, and exact means the kept one's
+    exact group."""
+    rng = np.random.default_rng(6)
+    n, per = 500, 120
+    roots = np.arange(n)
+    for r in rng.choice(n // 2, 40, replace=False):
+        members = rng.choice(np.arange(r + 1, n), rng.integers(1, 6), replace=False)
+        roots[members] = r
+    roots = dedup.compress(np.minimum(roots, roots[roots]))  # a forest of roots
+    chars = rng.integers(1, 5, n)  # ties, so the earliest must win them
+    quality = rng.integers(0, 3, n).astype(float)
+    sigs = rng.integers(0, 8, (n, 16), dtype=np.uint32)  # similarities all over (0, 1)
+    stems, offsets = [], [0]
+    for p, lo in enumerate(range(0, n, per)):
+        stems.append(str(tmp_path / f"part-{p}"))
+        hi = min(lo + per, n)
+        np.savez(stems[-1] + dedup.META_SUFFIX, keys=np.zeros((hi - lo, 2), np.uint64),
+                 chars=chars[lo:hi], quality=quality[lo:hi])
+        np.save(stems[-1] + dedup.SIG_SUFFIX, np.ascontiguousarray(sigs[lo:hi].T))
+        offsets.append(hi)
+    first = np.arange(n)
+    dups = np.flatnonzero(roots != np.arange(n))[::2]
+    first[dups] = roots[dups]  # half the members exact copies of their root
+    pairs = np.stack([dups, roots[dups]], axis=1)
+    cfg = DedupConfig(keep=keep, near=False)
+    got = dedup.cluster_members(cfg, roots, pairs, stems, np.array(offsets))
+    kept_of = dedup.choose_kept(roots, chars, keep, quality)
+    sizes = np.bincount(roots, minlength=n)
+    in_cluster = sizes[roots] > 1
+    assert np.array_equal(got.docs, np.flatnonzero(in_cluster))
+    assert np.array_equal(got.kept, kept_of[in_cluster])
+    exact = (first == first[kept_of])[in_cluster]
+    assert np.array_equal(got.exact, exact) and 0 < exact.sum() < len(exact)
+    want = np.array([1.0 if e else minhash.jaccard(sigs[d], sigs[k])
+                     for d, k, e in zip(got.docs, got.kept, exact, strict=True)])
+    assert np.array_equal(got.similarity, want)
+    assert got.clusters == int((sizes > 1).sum())
+    assert (keep == "first") == np.array_equal(got.kept, roots[in_cluster])
+
+
+@pytest.mark.parametrize("sizes", [[5, 0, 7, 3], [4, 4], [], [0], [9]])
+def test_clusters_file_is_streamed_as_one_table_writes(tmp_path, sizes):
+    """Rows from several part files, row groups cut across them: the bytes of
+    write_table of the whole table (with that row group size; an empty one too)."""
+    import pyarrow as pa
+
+    paths, tables = [], []
+    for k, size in enumerate(sizes):
+        t = pa.table({"id": [f"d{k}-{i}" for i in range(size)], "domain": ["en"] * size,
+                      "cluster": [f"d{k}-0"] * size, "kept": [i == 0 for i in range(size)],
+                      "similarity": [1.0] * size}, schema=dedup.CLUSTERS_SCHEMA)
+        paths.append(tmp_path / f"p{k}.parquet")
+        pq.write_table(t, paths[-1])
+        tables.append(t)
+    dedup.write_clusters(paths, tmp_path / "streamed.parquet", rows=4)
+    whole = (pa.concat_tables(tables) if tables else dedup.CLUSTERS_SCHEMA.empty_table())
+    pq.write_table(whole.combine_chunks(), tmp_path / "whole.parquet", compression="zstd",
+                   row_group_size=4)
+    assert (tmp_path / "streamed.parquet").read_bytes() == (tmp_path / "whole.parquet").read_bytes()
+    meta = pq.ParquetFile(tmp_path / "streamed.parquet").metadata
+    assert meta.num_rows == sum(sizes)

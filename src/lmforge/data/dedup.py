@@ -4,10 +4,12 @@ A driver and per-item tasks, run on an :class:`~lmforge.executor.Executor` (the 
 pool or a Ray cluster; the bytes written are the same either way):
 
 1. **sketch** (a task per part): each document's exact key, length, quality and MinHash
-   signature, written to ``.sketch/`` in the work directory; only ids, domains and the
-   row count come back, so signatures never pass through the driver.
-2. **exact** (driver): documents with equal keys form an exact group, represented by
-   its first document (one sort of the 128-bit keys).
+   signature, written to ``.sketch/`` in the work directory, the keys once more ordered
+   by slot (their top bits); only the row count comes back.
+2. **exact** (a task per run of slots): documents with equal keys form an exact group,
+   represented by its first document (one sort of the 128-bit keys of the slots; equal
+   keys share a slot, so a group is never split). The pairs (document, first) of the
+   non-first documents go to ``.exact/``.
 3. **bands** (a task per LSH band, or per band and bucket shard when there are few bands
    for the workers or too many documents for one task): the band's values of every
    representative, read from the memory-mapped signature files; buckets of *exactly*
@@ -16,7 +18,12 @@ pool or a Ray cluster; the bytes written are the same either way):
    pairs, reduced to a spanning forest, go to ``.edges/``.
 4. **components** (driver): the exact groups and the confirmed pairs joined by a
    vectorised union-find; a cluster's root is its smallest document index.
-5. **write** (a task per part): the part without its dropped documents.
+5. **members** (driver): the documents in clusters of two or more, the one each cluster
+   keeps (lengths and quality read for the members alone), exact or near, similarity.
+6. **names** (a task per part holding a kept document of a cluster): those ids.
+7. **write** (a task per part): the part without its dropped documents, its rows of
+   clusters.parquet and its counts; the driver streams the rows into clusters.parquet,
+   in row groups as one ``write_table`` of the whole table makes them (the same bytes).
 
 Two representatives are joined iff they share a bucket in at least one band and their
 estimated Jaccard reaches the threshold: the pairs ``datasketch.MinHashLSH`` returns and
@@ -26,21 +33,13 @@ k(k-1)/2 Jaccard checks (as querying an LSH index does), done in bounded chunks.
 The work directory survives a kill: a rerun skips the tasks already done (their markers
 in ``.done/``) and writes the same bytes.
 
-Driver memory for steps 2 and 4, measured on 4 M documents (20% exact duplicates,
-0.1 edges per document) with the command below: the exact grouping peaks at 31 bytes
-per document over the 16 of the keys, 47 in all; the joining peaks at 32 (the groups,
-the forest, a compression temporary, a round's temporaries) plus the band file being
-joined, 16 bytes per edge (one file at a time). So ~48 bytes per document: one driver
-handles ~20 million documents per GB. The driver also holds the lengths and quality scores (16 bytes per
-document) and the ids and domains for clusters.parquet (their characters + 8)::
-
-    python -c "import numpy as np, tracemalloc as t; from lmforge.data import dedup as d;
-    n=4_000_000; r=np.random.default_rng(0); k=r.integers(0,2**63,(n,2),dtype=np.uint64);
-    k[1::5]=k[::5][:len(k[1::5])]; t.start(); f=d.exact_groups(k); _,a=t.get_traced_memory();
-    del k; e=r.integers(0,n,(n//10,2)); t.reset_peak(); b0,_=t.get_traced_memory();
-    p=f.copy(); d.union(p,e[:,0],e[:,1]); d.compress(p); _,b=t.get_traced_memory();
-    print((a+16*n)/n, (b-b0+f.nbytes)/n)"
+The driver never holds an id or a domain: per document, the union-find's forest (8
+bytes) and, while it is joined or compressed, as much again; the exact pairs (16 bytes
+per exact duplicate); per member of a cluster, its kept document, flags and similarity
+(~25 bytes) and each kept document's id. bench/bench_dedup_driver.py measures it at x1,
+x10 and x30 of the demo corpus (bench/RESULTS.md, block ``dedup_driver``).
 """
+
 
 from __future__ import annotations
 
@@ -135,13 +134,19 @@ def sketch_part(task: SketchTask) -> int:
     if cfg.keep == "quality":
         quality = np.array([quality_score(t) for t in texts], dtype=np.float64)
     _save(task.out + META_SUFFIX, np.savez, keys=keys, chars=chars, quality=quality)
+    save_slot_keys(task.out, keys)
+    return len(texts)
+
+
+def save_slot_keys(stem: str, keys: np.ndarray) -> None:
+    """A part's exact keys (uint64 [n, 2]) ordered by slot, with their rows and where
+    each slot starts: what :func:`exact_pairs` reads."""
     slots = key_slots(keys)
     order = np.argsort(slots, kind="stable")
-    _save(task.out + XKEYS_SUFFIX, np.save, np.ascontiguousarray(keys[order]))
-    _save(task.out + XROWS_SUFFIX, np.save, order.astype(np.int64))
-    _save(task.out + XOFF_SUFFIX, np.save,
+    _save(stem + XKEYS_SUFFIX, np.save, np.ascontiguousarray(keys[order]))
+    _save(stem + XROWS_SUFFIX, np.save, order.astype(np.int64))
+    _save(stem + XOFF_SUFFIX, np.save,
           np.searchsorted(slots[order], np.arange(SLOTS + 1)).astype(np.int64))
-    return len(texts)
 
 
 class Signatures:
@@ -180,6 +185,36 @@ class Signatures:
 
 
 # --- 2. exact groups (task per run of slots) ----------------------------------------
+
+
+def exact_groups(keys: np.ndarray) -> np.ndarray:
+    """For each document, the index of the first document with its key (uint64 [n, 2])."""
+    n = len(keys)
+    # Sorting by the first half is enough unless two different keys share it (about never):
+    # then by both. Stable either way, so a run lists its documents in order.
+    order = np.argsort(keys[:, 0], kind="stable")
+    col = keys[order, 0]
+    same = col[1:] == col[:-1]
+    col = keys[order, 1]
+    split = col[1:] != col[:-1]
+    del col
+    if (same & split).any():
+        order = np.lexsort((keys[:, 1], keys[:, 0]))
+        same = (keys[order[1:]] == keys[order[:-1]]).all(axis=1)
+    else:
+        same &= ~split
+    del split
+    new = np.r_[True, ~same] if n else np.zeros(0, dtype=bool)
+    del same
+    heads = order[new]  # the first document of each run
+    run = np.cumsum(new, dtype=np.int64)
+    del new
+    run -= 1
+    np.take(heads, run, out=run)  # in place: the head of each sorted position's run
+    del heads
+    first = np.empty(n, dtype=np.int64)
+    first[order] = run
+    return first
 
 
 @dataclass(frozen=True)
@@ -245,36 +280,6 @@ def exact_parents(stems: list[str], offsets: np.ndarray, work: Path, executor: E
 
 
 # --- 4. components (driver) -----------------------------------------------------------
-
-
-def exact_groups(keys: np.ndarray) -> np.ndarray:
-    """For each document, the index of the first document with its key (uint64 [n, 2])."""
-    n = len(keys)
-    # Sorting by the first half is enough unless two different keys share it (about never):
-    # then by both. Stable either way, so a run lists its documents in order.
-    order = np.argsort(keys[:, 0], kind="stable")
-    col = keys[order, 0]
-    same = col[1:] == col[:-1]
-    col = keys[order, 1]
-    split = col[1:] != col[:-1]
-    del col
-    if (same & split).any():
-        order = np.lexsort((keys[:, 1], keys[:, 0]))
-        same = (keys[order[1:]] == keys[order[:-1]]).all(axis=1)
-    else:
-        same &= ~split
-    del split
-    new = np.r_[True, ~same] if n else np.zeros(0, dtype=bool)
-    del same
-    heads = order[new]  # the first document of each run
-    run = np.cumsum(new, dtype=np.int64)
-    del new
-    run -= 1
-    np.take(heads, run, out=run)  # in place: the head of each sorted position's run
-    del heads
-    first = np.empty(n, dtype=np.int64)
-    first[order] = run
-    return first
 
 
 def compress(parent: np.ndarray) -> np.ndarray:

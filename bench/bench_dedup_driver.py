@@ -1,0 +1,178 @@
+"""Dedup's driver at scale: its memory per document and the intermediate files it makes.
+
+The input is the demo corpus x1, x10 and x30 as bench_data_scale.py builds it (copy 0 as
+shipped; of the other copies 15 % exact, 70 % near and 15 % far variants, new ids), taken
+through ingest and filter with params.yaml's settings (once per scale, kept under
+``--work``). Each (scale, revision) runs ``run_dedup`` in a fresh process with params.yaml's
+dedup settings, its tasks on a pool of 2 worker processes (never in the driver), the
+driver under tracemalloc (its Python and numpy heap at the peak) and Arrow's pool at its
+peak. Printed as bench_mix_driver.py prints mix's: the peak per scale, what it adds per
+document between x1 and the larger scales, the intermediate files (counted when the first
+write task starts), the wall time, and whether the output is byte-identical to the
+baseline revision's.
+
+    python bench/bench_dedup_driver.py [--scales 1,10,30] [--baseline REV] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench_data_scale import make_corpus
+from bench_mix_driver import TB_DOCS, code_label, pooled_executor, report, same_tree
+
+REPO = Path(__file__).resolve().parents[1]
+PARQUET_PER_TEXT = 0.38  # as bench_mix_driver.py: zstd Parquet bytes per byte of text
+TB_PARTS = math.ceil(1e12 * PARQUET_PER_TEXT / (64 << 20))  # parts of ~64 MB at 1 TB
+
+
+def dedup_input(work: Path, scale: int) -> Path:
+    """The filtered corpus at ``scale`` (ingest and filter run once, then kept)."""
+    from lmforge.config import SourceConfig, load_params
+    from lmforge.data.filtering import run_filter
+    from lmforge.data.ingest import run_ingest
+    from lmforge.executor import LocalExecutor
+
+    out = work / f"in_x{scale}"
+    stamp = work / f".in_x{scale}.done"
+    if stamp.is_file() and out.is_dir():
+        return out
+    corpus = make_corpus(work / f"corpus_x{scale}", scale)
+    params = load_params(REPO / "params.yaml")
+    params.ingest.sources = [SourceConfig(path=str(corpus / s.domain / "*.jsonl.gz"),
+                                          domain=s.domain) for s in params.ingest.sources]
+    ingested = work / f"ingested_x{scale}"
+    for path in (ingested, out):
+        shutil.rmtree(path, ignore_errors=True)
+    executor = LocalExecutor(2)
+    cwd = Path.cwd()
+    os.chdir(work)  # ingest writes its metrics beside its relative paths
+    try:
+        run_ingest(params.ingest, str(ingested), executor)
+        run_filter(params.filter, str(ingested), str(out), {}, executor)
+    finally:
+        os.chdir(cwd)
+    stamp.write_text("done")
+    return out
+
+
+def child(src: Path, out: Path, figures: Path) -> None:
+    """One traced run of dedup (in a fresh process)."""
+    import tracemalloc
+
+    import pyarrow as pa
+
+    from lmforge.config import load_params
+    from lmforge.data import dedup
+
+    cfg = load_params(REPO / "params.yaml").dedup
+    executor = pooled_executor()
+    counted: dict[str, int] = {}
+    partial = out.with_name(f".{out.name}.partial")
+    plain_map = executor.map
+
+    def map_counting(fn, tasks, desc=None, log=None):
+        if fn.__name__ == "write_part" and "files" not in counted:
+            counted["files"] = sum(1 for p in partial.rglob("*") if p.is_file()
+                                   and p.parent != partial  # the stamp
+                                   and ".done" not in p.relative_to(partial).parts)
+        return plain_map(fn, tasks, desc, log)
+
+    executor.map = map_counting
+    tracemalloc.start()
+    t = time.perf_counter()
+    metrics = dedup.run_dedup(cfg, src, out, executor)
+    wall = time.perf_counter() - t
+    peak = tracemalloc.get_traced_memory()[1]
+    figures.write_text(json.dumps({
+        "docs": metrics["total"]["in"], "kept": metrics["total"]["kept"],
+        "peak_bytes": peak, "arrow_peak_bytes": pa.default_memory_pool().max_memory(),
+        "wall_s": round(wall, 2), "intermediate_files": counted.get("files"),
+        "parts": metrics["parts"]}))
+
+
+def markdown(found: dict) -> str:
+    """The committed run's table (bench/RESULTS.md, block ``dedup_driver``), and what its
+    growth per document comes to at 1 TB."""
+    scales, results = found["scales"], found["results"]
+    lines = ["| code | scale | documents | driver heap at peak | added per document | "
+             "Arrow pool peak | intermediate files | wall |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for rev, by_scale in results.items():
+        for s in scales:
+            r = by_scale[str(s)]
+            grow = r.get("growth_bytes_per_doc")
+            lines.append(f"| {rev} | x{s} | {r['docs']:,} | {r['peak_bytes'] / 2**20:.1f} MiB | "
+                         + (f"{grow:,.0f} B" if grow is not None else "-")
+                         + f" | {r['arrow_peak_bytes'] / 2**20:.1f} MiB | "
+                         f"{r['intermediate_files']:,} | {r['wall_s']:.1f} s |")
+    top = str(scales[-1])
+    per_doc = {rev: by[top]["growth_bytes_per_doc"] for rev, by in results.items()}
+    last = next(reversed(results.values()))[top]
+    files_per_part = last["intermediate_files"] / last["parts"]
+    lines += ["", f"At 1 TB ({TB_DOCS / 1e8:.2f} × 10⁸ documents): the driver adds "
+              + ", ".join(f"{v * TB_DOCS / 1e9:.1f} GB ({rev})" for rev, v in per_doc.items())
+              + f"; intermediate files ~{files_per_part * TB_PARTS:,.0f} at the last "
+              f"revision's {files_per_part:.1f} a part over {TB_PARTS:,} parts of ~64 MB."]
+    same = found.get("identical_to_baseline") or {}
+    if same:
+        lines.append("Outputs byte-identical to the baseline's: "
+                     + ", ".join(f"x{s} {'yes' if v else 'NO'}" for s, v in same.items()) + ".")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scales", default="1,10,30")
+    ap.add_argument("--baseline", metavar="REV", help="also run src/ of git revision REV")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/lmforge_dedup_driver"))
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(*(Path(a) for a in args.child))
+        return
+    scales = [int(s) for s in args.scales.split(",")]
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    srcs = {code_label(): REPO / "src"}
+    if args.baseline:
+        from _common import checkout_src
+
+        srcs[args.baseline] = checkout_src(args.baseline, work / "base")
+    results: dict[str, dict[int, dict]] = {rev: {} for rev in srcs}
+    identical: dict[int, bool] = {}
+    for s in scales:
+        src = dedup_input(work, s)
+        for rev, code in srcs.items():
+            out = work / f"out_x{s}_{rev.replace('/', '_')}"
+            shutil.rmtree(out, ignore_errors=True)
+            env = {**os.environ, "PYTHONPATH": str(code), "LMFORGE_TRACKING": "off"}
+            subprocess.run([sys.executable, __file__, "--child", str(src), str(out),
+                            str(work / "figures.json")], env=env, check=True,
+                           stderr=subprocess.DEVNULL)
+            results[rev][s] = json.loads((work / "figures.json").read_text())
+            results[rev][s]["out"] = str(out)
+        print(f"x{s}: {results[next(iter(srcs))][s]['docs']} documents", flush=True)
+        if args.baseline:
+            identical[s] = same_tree(Path(results[next(iter(srcs))][s]["out"]),
+                                     Path(results[args.baseline][s]["out"]))
+    report(results, scales)
+    if identical:
+        print("outputs byte-identical to the baseline's: "
+              + ", ".join(f"x{s} {'yes' if v else 'NO'}" for s, v in identical.items()))
+    if args.out:
+        args.out.write_text(json.dumps({"scales": scales, "results": results,
+                                        "identical_to_baseline": identical}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
