@@ -84,6 +84,9 @@ BAND_ROWS_PER_TASK = 1 << 23  # representatives one band task sorts (~0.5 GB at 
 PAIR_CHUNK = 1 << 16  # bucket pairs checked at once (two signatures each)
 GATHER_ROWS = 1 << 16  # signatures read at once for a run of buckets
 EDGE_CAP = 1 << 22  # confirmed pairs a band task holds before reducing them to a forest
+# Pairs whose signatures the driver reads at once for clusters.parquet's similarity: two
+# 4 MiB blocks at 128 slots (65,536 rows made 64 MiB, the driver's largest allocation).
+SIMILARITY_ROWS = 1 << 13
 CLUSTER_ROW_GROUP = 1 << 20  # clusters.parquet's rows a row group (write_table's default)
 
 
@@ -513,9 +516,10 @@ def _member_meta(stems: list[str], offsets: np.ndarray, docs: np.ndarray,
 
 
 def _similarity(sigs: Signatures, docs: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """Each document's estimated Jaccard to its kept one, ``SIMILARITY_ROWS`` at a time."""
     out = np.empty(len(docs))
-    for lo in range(0, len(docs), PAIR_CHUNK):
-        hi = lo + PAIR_CHUNK
+    for lo in range(0, len(docs), SIMILARITY_ROWS):
+        hi = lo + SIMILARITY_ROWS
         out[lo:hi] = minhash.jaccard(sigs.rows(docs[lo:hi]), sigs.rows(kept[lo:hi]))
     return out
 
