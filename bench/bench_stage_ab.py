@@ -1,8 +1,8 @@
 """One data stage alone, this tree's ``src/`` against a baseline revision's, interleaved.
 
 The stage runs on the x10 corpus that ``bench/bench_data_scale.py`` builds under ``--work``
-(ingest reads it; shards reads ``--mixed``, a mixed/ folder, with ``--tokenizer``; mix reads
-``--input``), with
+(ingest reads it; shards reads ``--mixed``, a mixed/ folder, with ``--tokenizer``; mix and
+dedup read ``--input``), with
 params.yaml's settings and 2 workers, each run in a fresh process, alternating old/new
 (then new/old) for ``--rounds`` rounds. Printed per run and summed up: wall seconds and the
 CPU seconds of the run's process tree (the driver plus the local pool's workers; on Ray
@@ -70,6 +70,10 @@ def run_once(args: argparse.Namespace, out: Path) -> None:
         from lmforge.data.mix import run_mix
 
         run_mix(p.mix, args.input, out, executor)
+    elif args.stage == "dedup":
+        from lmforge.data.dedup import run_dedup
+
+        run_dedup(p.dedup, args.input, out, executor)
     else:
         from lmforge.shards.build import build_shards
 
@@ -79,7 +83,7 @@ def run_once(args: argparse.Namespace, out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=["ingest", "mix", "shards"])
+    ap.add_argument("stage", choices=["ingest", "dedup", "mix", "shards"])
     ap.add_argument("--baseline", required=True, metavar="REV")
     ap.add_argument("--kind", choices=["local", "ray"], default="local")
     ap.add_argument("--rounds", type=int, default=4)
@@ -88,7 +92,8 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, help="shards: the tokenizer model")
     ap.add_argument("--input", type=Path,
                     help="mix: its input folder (parts and clusters.parquet), e.g. "
-                         "bench/bench_mix_driver.py's x30 one")
+                         "bench/bench_mix_driver.py's x30 one; dedup: a filtered folder, "
+                         "e.g. bench/bench_dedup_driver.py's x30 one")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

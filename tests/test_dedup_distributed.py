@@ -382,6 +382,7 @@ def test_clusters_file_is_streamed_as_one_table_writes(tmp_path, sizes):
         pq.write_table(t, paths[-1])
         tables.append(t)
     dedup.write_clusters(paths, tmp_path / "streamed.parquet", rows=4)
+    # (The whole table in one chunk: a row group of several chunks has other bytes.)
     whole = (pa.concat_tables(tables) if tables else dedup.CLUSTERS_SCHEMA.empty_table())
     pq.write_table(whole.combine_chunks(), tmp_path / "whole.parquet", compression="zstd",
                    row_group_size=4)

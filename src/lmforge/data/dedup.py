@@ -656,7 +656,9 @@ def write_tasks(members: Members, parts: list[Path], offsets: np.ndarray, wanted
 
 def write_clusters(paths: list[Path], out: Path, rows: int = CLUSTER_ROW_GROUP) -> None:
     """clusters.parquet from the parts' rows, streamed: row groups of ``rows``, each one
-    chunk, as ``write_table`` of the whole table writes them (the same bytes)."""
+    chunk, as ``write_table`` of the whole table writes them (the same bytes: a row group
+    of several chunks is written otherwise). The driver holds one row group's rows
+    (1Mi rows, ~100 MB) and its one-chunk copy at most, however many documents."""
     with atomic_path(out) as tmp:
         writer = pq.ParquetWriter(tmp, CLUSTERS_SCHEMA, compression=COMPRESSION)
         held: list[pa.Table] = []
