@@ -26,10 +26,14 @@ import sys
 import time
 from pathlib import Path
 
-from bench_data_scale import make_corpus
-from bench_mix_driver import TB_DOCS, code_label, pooled_executor, report, same_tree
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:  # its sibling benches, when loaded by path (demo_docs.py)
+    sys.path.insert(0, str(BENCH))
 
-REPO = Path(__file__).resolve().parents[1]
+from bench_data_scale import make_corpus  # noqa: E402
+from bench_mix_driver import TB_DOCS, code_label, pooled_executor, report, same_tree  # noqa: E402
+
+REPO = BENCH.parent
 PARQUET_PER_TEXT = 0.38  # as bench_mix_driver.py: zstd Parquet bytes per byte of text
 TB_PARTS = math.ceil(1e12 * PARQUET_PER_TEXT / (64 << 20))  # parts of ~64 MB at 1 TB
 
@@ -116,12 +120,12 @@ def markdown(found: dict) -> str:
                          f"{r['intermediate_files']:,} | {r['wall_s']:.1f} s |")
     top = str(scales[-1])
     per_doc = {rev: by[top]["growth_bytes_per_doc"] for rev, by in results.items()}
-    last = next(reversed(results.values()))[top]
-    files_per_part = last["intermediate_files"] / last["parts"]
+    rev, by = next(iter(results.items()))  # this checkout's code (the baseline is after it)
+    files_per_part = by[top]["intermediate_files"] / by[top]["parts"]
     lines += ["", f"At 1 TB ({TB_DOCS / 1e8:.2f} × 10⁸ documents): the driver adds "
               + ", ".join(f"{v * TB_DOCS / 1e9:.1f} GB ({rev})" for rev, v in per_doc.items())
-              + f"; intermediate files ~{files_per_part * TB_PARTS:,.0f} at the last "
-              f"revision's {files_per_part:.1f} a part over {TB_PARTS:,} parts of ~64 MB."]
+              + f"; intermediate files ~{files_per_part * TB_PARTS:,.0f} ({rev}'s "
+              f"{files_per_part:.1f} a part over {TB_PARTS:,} parts of ~64 MB)."]
     same = found.get("identical_to_baseline") or {}
     if same:
         lines.append("Outputs byte-identical to the baseline's: "

@@ -235,12 +235,20 @@ def block_mix_driver(found: dict[str, Figures], root: Path) -> str:
     return bench.markdown(json.loads(path.read_text(encoding="utf-8"))) + "\n"
 
 
+def block_dedup_driver(found: dict[str, Figures], root: Path) -> str:
+    """Issue 47's dedup driver at x1/x10/x30: bench/bench_dedup_driver.py's table."""
+    bench = _script(root / "bench/bench_dedup_driver.py")
+    path = root / "bench/results/dedup_driver.json"
+    return bench.markdown(json.loads(path.read_text(encoding="utf-8"))) + "\n"
+
+
 BLOCKS: dict[str, Callable[[dict[str, Figures], Path], str]] = {
     "summary": block_summary, "headline": block_headline, "harness": block_harness,
     "post": block_post, "domains": block_domains, "ablation_demo": block_ablation_demo,
     "ablation_large": block_ablation_large, "ablation_nobf": block_ablation_nobf,
     "dpo_recipes": block_dpo_recipes, "gpu_mfu": block_gpu_mfu,
-    "serve_load": block_serve_load, "mix_driver": block_mix_driver}
+    "serve_load": block_serve_load, "mix_driver": block_mix_driver,
+    "dedup_driver": block_dedup_driver}
 
 
 def plan_output(m: re.Match) -> str:
