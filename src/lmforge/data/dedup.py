@@ -21,9 +21,9 @@ pool or a Ray cluster; the bytes written are the same either way):
 5. **members** (driver): the documents in clusters of two or more, the one each cluster
    keeps (lengths and quality read for the members alone), exact or near, similarity.
 6. **names** (a task per part holding a kept document of a cluster): those ids.
-7. **write** (a task per part): the part without its dropped documents, its rows of
-   clusters.parquet and its counts; the driver streams the rows into clusters.parquet,
-   in row groups as one ``write_table`` of the whole table makes them (the same bytes).
+7. **write** (a task per part): the part without its dropped documents; back come its
+   counts and its rows of clusters.parquet, which the driver writes as they come, in row
+   groups as one ``write_table`` of the whole table makes them (the same bytes).
 
 Two representatives are joined iff they share a bucket in at least one band and their
 estimated Jaccard reaches the threshold: the pairs ``datasketch.MinHashLSH`` returns and
@@ -560,21 +560,21 @@ def cluster_members(cfg: DedupConfig, roots: np.ndarray, pairs: np.ndarray,
 
 @dataclass(frozen=True)
 class NameTask:
-    src: str
-    rows: np.ndarray  # int64: the part's rows whose ids are asked for
+    srcs: tuple[str, ...]  # a run of parts
+    rows: tuple[np.ndarray, ...]  # int64: each part's rows whose ids are asked for
 
 
 def read_names(task: NameTask) -> pa.Array:
-    """The ids of some rows of a part (worker): the documents clusters keep."""
-    return read_table(task.src, columns=["id"]).column("id").take(pa.array(task.rows)
-                                                                  ).combine_chunks()
+    """The ids of some rows of a run of parts (worker): the documents clusters keep."""
+    return pa.concat_arrays([read_table(src, columns=["id"]).column("id").take(
+        pa.array(rows)).combine_chunks() for src, rows in zip(task.srcs, task.rows,
+                                                               strict=True)])
 
 
 @dataclass(frozen=True)
 class WriteTask:
     src: str
     out: str
-    clusters: str  # where this part's rows of clusters.parquet go
     rows: np.ndarray  # int64: the part's rows in clusters of two or more
     kept: np.ndarray  # bool per member row
     exact: np.ndarray  # bool per member row
@@ -582,9 +582,9 @@ class WriteTask:
     names: pa.Array  # string per member row: its kept document's id (null: itself)
 
 
-def write_part(task: WriteTask) -> tuple[int, Counts]:
-    """Rewrite one part with only its kept rows, and its rows of clusters.parquet
-    (worker) -> (rows kept, the part's counts)."""
+def write_part(task: WriteTask) -> tuple[int, Counts, pa.Table]:
+    """Rewrite one part with only its kept rows (worker) -> (rows kept, the part's
+    counts, its rows of clusters.parquet)."""
     table = read_table(task.src)
     n = table.num_rows
     is_kept = np.ones(n, dtype=bool)
@@ -599,9 +599,9 @@ def write_part(task: WriteTask) -> tuple[int, Counts]:
     named[task.rows] = task.names.is_valid().to_numpy(zero_copy_only=False)
     cluster = pc.replace_with_mask(ids, pa.array(named), task.names.drop_null())
     domains = table.column("domain").combine_chunks()
-    write_table(pa.table({"id": ids, "domain": domains, "cluster": cluster, "kept": is_kept,
-                          "similarity": similarity}, schema=CLUSTERS_SCHEMA), task.clusters)
-    return int(is_kept.sum()), _counts(domains, is_kept, exact)
+    rows = pa.table({"id": ids, "domain": domains, "cluster": cluster, "kept": is_kept,
+                     "similarity": similarity}, schema=CLUSTERS_SCHEMA)
+    return int(is_kept.sum()), _counts(domains, is_kept, exact), rows
 
 
 def _counts(domains: pa.Array, is_kept: np.ndarray, exact: np.ndarray) -> Counts:
@@ -623,13 +623,15 @@ def _counts(domains: pa.Array, is_kept: np.ndarray, exact: np.ndarray) -> Counts
 
 def kept_names(members: Members, parts: list[Path], offsets: np.ndarray,
                executor: Executor, log: PartLog) -> tuple[np.ndarray, pa.Array]:
-    """The documents other members are kept for, ascending, and their ids (read by a
-    task per part that holds some)."""
+    """The documents other members are kept for, ascending, and their ids (read by two
+    tasks a worker, each a run of the parts that hold some: a few rows a part)."""
     wanted = np.unique(members.kept[members.kept != members.docs])
     cut = np.searchsorted(wanted, offsets)
     holders = np.flatnonzero(np.diff(cut))
-    tasks = [NameTask(str(parts[p]), wanted[cut[p] : cut[p + 1]] - offsets[p])
-             for p in holders]
+    runs = np.array_split(holders, min(len(holders), max(1, 2 * executor.workers)))
+    tasks = [NameTask(tuple(str(parts[p]) for p in run),
+                      tuple(wanted[cut[p] : cut[p + 1]] - offsets[p] for p in run))
+             for run in runs]
     names = list(executor.map(read_names, tasks, "dedup: names", log))
     return wanted, (pa.concat_arrays(names) if names else pa.array([], pa.string()))
 
@@ -647,33 +649,54 @@ def write_tasks(members: Members, parts: list[Path], offsets: np.ndarray, wanted
         mask = pa.array(~other)  # a kept document names itself (null here)
         ids = names.take(pa.array(np.where(other, at, 0))) if len(names) else \
             pa.nulls(len(docs), pa.string())
-        tasks.append(WriteTask(str(part), str(tmp / part.name),
-                               str(tmp / ".clusters" / part.name), docs - offsets[k],
+        tasks.append(WriteTask(str(part), str(tmp / part.name), docs - offsets[k],
                                ~other, members.exact[sel], members.similarity[sel],
                                pc.if_else(mask, pa.nulls(len(docs), pa.string()), ids)))
     return tasks
 
 
-def write_clusters(paths: list[Path], out: Path, rows: int = CLUSTER_ROW_GROUP) -> None:
-    """clusters.parquet from the parts' rows, streamed: row groups of ``rows``, each one
-    chunk, as ``write_table`` of the whole table writes them (the same bytes: a row group
-    of several chunks is written otherwise). The driver holds one row group's rows
+class ClustersWriter:
+    """clusters.parquet from the parts' rows as they come, in row groups of ``rows``,
+    each one chunk, as ``write_table`` of the whole table writes them (the same bytes: a
+    row group of several chunks is written otherwise). It holds one row group's rows
     (1Mi rows, ~100 MB) and its one-chunk copy at most, however many documents."""
-    with atomic_path(out) as tmp:
-        writer = pq.ParquetWriter(tmp, CLUSTERS_SCHEMA, compression=COMPRESSION)
-        held: list[pa.Table] = []
-        count = written = 0
-        for path in paths:
-            held.append(pq.read_table(path))
-            count += held[-1].num_rows
-            while count >= rows:
-                table = pa.concat_tables(held)
-                writer.write_table(table.slice(0, rows).combine_chunks())
-                held, count, written = [table.slice(rows)], count - rows, written + rows
-        if count or not written:  # the last rows; an empty table still writes its schema
-            writer.write_table(pa.concat_tables(held).combine_chunks() if held
-                               else CLUSTERS_SCHEMA.empty_table())
-        writer.close()
+
+    def __init__(self, path: Path, rows: int = CLUSTER_ROW_GROUP) -> None:
+        self.rows = rows
+        self.held: list[pa.Table] = []
+        self.count = self.written = 0
+        self._atomic = atomic_path(path)
+        self._writer = pq.ParquetWriter(self._atomic.__enter__(), CLUSTERS_SCHEMA,
+                                        compression=COMPRESSION)
+
+    def add(self, table: pa.Table) -> None:
+        """Append a part's rows; write every row group they complete."""
+        self.held.append(table)
+        self.count += table.num_rows
+        while self.count >= self.rows:
+            whole = pa.concat_tables(self.held)
+            self._writer.write_table(whole.slice(0, self.rows).combine_chunks())
+            self.held, self.count = [whole.slice(self.rows)], self.count - self.rows
+            self.written += self.rows
+
+    def close(self) -> None:
+        """Write the last rows (an empty table still writes its schema) and the file."""
+        if self.count or not self.written:
+            self._writer.write_table(pa.concat_tables(self.held).combine_chunks()
+                                     if self.held else CLUSTERS_SCHEMA.empty_table())
+        self._writer.close()
+        self._atomic.__exit__(None, None, None)
+
+    def __enter__(self) -> ClustersWriter:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: Any) -> None:
+        if kind is None:
+            self.close()
+            return
+        self._writer.close()  # a failed stage leaves no clusters.parquet, nor its temporary
+        self._atomic.__exit__(kind, error, trace)
 
 
 # --- the driver -----------------------------------------------------------------------
@@ -739,16 +762,17 @@ def run_dedup(cfg: DedupConfig, in_dir: str | Path, out_dir: str | Path,
         members = cluster_members(cfg, roots, pairs, stems, offsets)
         del roots, first, pairs
         wanted, names = kept_names(members, parts, offsets, executor, PartLog(done / "names"))
-        (tmp / ".clusters").mkdir(exist_ok=True)
         tasks = write_tasks(members, parts, offsets, wanted, names, tmp)
         counts, written = Counts(), 0
-        for kept, part_counts in executor.map(write_part, tasks, "dedup: write",
-                                              PartLog(done / "write")):
-            written += kept
-            counts.merge(part_counts)
+        # In task order, as they finish: the rows go straight into clusters.parquet.
+        with ClustersWriter(tmp / "clusters.parquet") as clusters:
+            for kept, part_counts, rows in executor.map(write_part, tasks, "dedup: write",
+                                                        PartLog(done / "write")):
+                written += kept
+                counts.merge(part_counts)
+                clusters.add(rows)
         dropped = members.kept != members.docs
         assert written == int(offsets[-1]) - int(dropped.sum())
-        write_clusters([Path(t.clusters) for t in tasks], tmp / "clusters.parquet")
 
     metrics = counts.as_dict()
     metrics.update(
