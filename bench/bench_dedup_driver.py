@@ -36,6 +36,12 @@ from bench_mix_driver import TB_DOCS, code_label, pooled_executor, report, same_
 REPO = BENCH.parent
 PARQUET_PER_TEXT = 0.38  # as bench_mix_driver.py: zstd Parquet bytes per byte of text
 TB_PARTS = math.ceil(1e12 * PARQUET_PER_TEXT / (64 << 20))  # parts of ~64 MB at 1 TB
+# The driver writes clusters.parquet a row group at a time: it holds up to 1Mi rows, a
+# fixed ~100-170 MB that at x30 (87k rows) is the whole file and so looks like growth
+# per document. One more run of this checkout's code with row groups of this many rows
+# measures what grows with the corpus alone (its output is not compared: other row groups).
+SMALL_ROW_GROUP = 4096
+ENV_ROW_GROUP = "LMFORGE_BENCH_CLUSTER_ROW_GROUP"
 
 
 def dedup_input(work: Path, scale: int) -> Path:
@@ -78,6 +84,9 @@ def child(src: Path, out: Path, figures: Path) -> None:
     from lmforge.data import dedup
 
     cfg = load_params(REPO / "params.yaml").dedup
+    small = os.environ.get(ENV_ROW_GROUP)
+    if small:  # the memory run: clusters.parquet's row-group buffer far below the corpus
+        dedup.CLUSTER_ROW_GROUP = int(small)
     executor = pooled_executor()
     counted: dict[str, int] = {}
     partial = out.with_name(f".{out.name}.partial")
@@ -110,7 +119,11 @@ def markdown(found: dict) -> str:
     lines = ["| code | scale | documents | driver heap at peak | added per document | "
              "Arrow pool peak | intermediate files | wall |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for rev, by_scale in results.items():
+    rows = dict(results)
+    if found.get("small_row_groups"):
+        rows[f"{next(iter(results))}, clusters row groups of {SMALL_ROW_GROUP:,}"] = \
+            found["small_row_groups"]
+    for rev, by_scale in rows.items():
         for s in scales:
             r = by_scale[str(s)]
             grow = r.get("growth_bytes_per_doc")
@@ -119,7 +132,7 @@ def markdown(found: dict) -> str:
                          + f" | {r['arrow_peak_bytes'] / 2**20:.1f} MiB | "
                          f"{r['intermediate_files']:,} | {r['wall_s']:.1f} s |")
     top = str(scales[-1])
-    per_doc = {rev: by[top]["growth_bytes_per_doc"] for rev, by in results.items()}
+    per_doc = {rev: by[top]["growth_bytes_per_doc"] for rev, by in rows.items()}
     rev, by = next(iter(results.items()))  # this checkout's code (the baseline is after it)
     files_per_part = by[top]["intermediate_files"] / by[top]["parts"]
     lines += ["", f"At 1 TB ({TB_DOCS / 1e8:.2f} × 10⁸ documents): the driver adds "
@@ -153,6 +166,7 @@ def main() -> None:
 
         srcs[args.baseline] = checkout_src(args.baseline, work / "base")
     results: dict[str, dict[int, dict]] = {rev: {} for rev in srcs}
+    small: dict[int, dict] = {}
     identical: dict[int, bool] = {}
     for s in scales:
         src = dedup_input(work, s)
@@ -165,16 +179,27 @@ def main() -> None:
                            stderr=subprocess.DEVNULL)
             results[rev][s] = json.loads((work / "figures.json").read_text())
             results[rev][s]["out"] = str(out)
+        current = next(iter(srcs))
+        out = work / f"out_x{s}_small_row_groups"
+        shutil.rmtree(out, ignore_errors=True)
+        env = {**os.environ, "PYTHONPATH": str(srcs[current]), "LMFORGE_TRACKING": "off",
+               ENV_ROW_GROUP: str(SMALL_ROW_GROUP)}
+        subprocess.run([sys.executable, __file__, "--child", str(src), str(out),
+                        str(work / "figures.json")], env=env, check=True,
+                       stderr=subprocess.DEVNULL)
+        small[s] = json.loads((work / "figures.json").read_text())
         print(f"x{s}: {results[next(iter(srcs))][s]['docs']} documents", flush=True)
         if args.baseline:
             identical[s] = same_tree(Path(results[next(iter(srcs))][s]["out"]),
                                      Path(results[args.baseline][s]["out"]))
     report(results, scales)
+    report({f"{next(iter(srcs))}, {SMALL_ROW_GROUP}-row groups": small}, scales)
     if identical:
         print("outputs byte-identical to the baseline's: "
               + ", ".join(f"x{s} {'yes' if v else 'NO'}" for s, v in identical.items()))
     if args.out:
         args.out.write_text(json.dumps({"scales": scales, "results": results,
+                                        "small_row_groups": small,
                                         "identical_to_baseline": identical}, indent=1) + "\n")
 
 

@@ -765,7 +765,7 @@ def run_dedup(cfg: DedupConfig, in_dir: str | Path, out_dir: str | Path,
         tasks = write_tasks(members, parts, offsets, wanted, names, tmp)
         counts, written = Counts(), 0
         # In task order, as they finish: the rows go straight into clusters.parquet.
-        with ClustersWriter(tmp / "clusters.parquet") as clusters:
+        with ClustersWriter(tmp / "clusters.parquet", CLUSTER_ROW_GROUP) as clusters:
             for kept, part_counts, rows in executor.map(write_part, tasks, "dedup: write",
                                                         PartLog(done / "write")):
                 written += kept
