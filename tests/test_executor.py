@@ -84,6 +84,30 @@ def test_pool_workers_die_on_sigterm_whatever_handler_this_process_has():
     assert seen == {repr(signal.SIG_DFL)}
 
 
+def modules_loaded(_: int) -> bool:
+    return "pyarrow.dataset" in sys.modules
+
+
+def test_forked_workers_start_with_what_parquet_reads_import():
+    """pq.read_table imports pyarrow.dataset on first use (0.2 s a worker, in every pool):
+    a process that reads Parquet loads it once, before forking, and its workers have it."""
+    from lmforge.parallel import imap_ordered
+
+    script = textwrap.dedent("""
+        import sys
+        import pyarrow.parquet
+        from test_executor import modules_loaded
+        from lmforge.parallel import imap_ordered
+        before = "pyarrow.dataset" in sys.modules
+        print(before, set(imap_ordered(modules_loaded, range(4), num_workers=2)))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).parent,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.stdout.split(None, 1) == ["False", "{True}\n"]
+    assert list(imap_ordered(square, range(3), num_workers=2)) == [0, 1, 4]
+
+
 def test_part_log_answers_only_the_same_task(tmp_path):
     log = PartLog(tmp_path)
     log.put(0, ("a", 1), {"n": 3})
