@@ -31,7 +31,15 @@ if str(BENCH) not in sys.path:  # its sibling benches, when loaded by path (demo
     sys.path.insert(0, str(BENCH))
 
 from bench_data_scale import make_corpus  # noqa: E402
-from bench_mix_driver import TB_DOCS, code_label, pooled_executor, report, same_tree  # noqa: E402
+from bench_mix_driver import (  # noqa: E402
+    TB_DOCS,
+    code_label,
+    identical_lines,
+    pooled_executor,
+    report,
+    same_tree,
+    table_lines,
+)
 
 REPO = BENCH.parent
 PARQUET_PER_TEXT = 0.38  # as bench_mix_driver.py: zstd Parquet bytes per byte of text
@@ -116,21 +124,11 @@ def markdown(found: dict) -> str:
     """The committed run's table (bench/RESULTS.md, block ``dedup_driver``), and what its
     growth per document comes to at 1 TB."""
     scales, results = found["scales"], found["results"]
-    lines = ["| code | scale | documents | driver heap at peak | added per document | "
-             "Arrow pool peak | intermediate files | wall |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     rows = dict(results)
     if found.get("small_row_groups"):
         rows[f"{next(iter(results))}, clusters row groups of {SMALL_ROW_GROUP:,}"] = \
             found["small_row_groups"]
-    for rev, by_scale in rows.items():
-        for s in scales:
-            r = by_scale[str(s)]
-            grow = r.get("growth_bytes_per_doc")
-            lines.append(f"| {rev} | x{s} | {r['docs']:,} | {r['peak_bytes'] / 2**20:.1f} MiB | "
-                         + (f"{grow:,.0f} B" if grow is not None else "-")
-                         + f" | {r['arrow_peak_bytes'] / 2**20:.1f} MiB | "
-                         f"{r['intermediate_files']:,} | {r['wall_s']:.1f} s |")
+    lines = table_lines(rows, scales)
     top = str(scales[-1])
     # This code's default run grows by its row-group buffer up to 1Mi rows, then not: its
     # projection is the small row groups' growth plus that fixed buffer.
@@ -144,11 +142,7 @@ def markdown(found: dict) -> str:
                  if found.get("small_row_groups") else "")
               + f"; intermediate files ~{files_per_part * TB_PARTS:,.0f} ({rev}'s "
               f"{files_per_part:.1f} a part over {TB_PARTS:,} parts of ~64 MB)."]
-    same = found.get("identical_to_baseline") or {}
-    if same:
-        lines.append("Outputs byte-identical to the baseline's: "
-                     + ", ".join(f"x{s} {'yes' if v else 'NO'}" for s, v in same.items()) + ".")
-    return "\n".join(lines)
+    return "\n".join(lines + identical_lines(found))
 
 
 def main() -> None:

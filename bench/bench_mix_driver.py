@@ -176,10 +176,9 @@ def projection() -> dict[str, float]:
             "buckets": buckets}
 
 
-def markdown(found: dict[str, Any]) -> str:
-    """The committed run's table (bench/RESULTS.md, block ``mix_driver``), and what its
-    growth per document comes to at 1 TB."""
-    scales, results = found["scales"], found["results"]
+def table_lines(results: dict[str, dict], scales: list[int]) -> list[str]:
+    """A driver bench's table: per revision and scale, heap peak, growth per document,
+    Arrow peak, intermediate files, wall (bench_dedup_driver.py's too)."""
     lines = ["| code | scale | documents | driver heap at peak | added per document | "
              "Arrow pool peak | intermediate files | wall |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -191,6 +190,22 @@ def markdown(found: dict[str, Any]) -> str:
                          + (f"{grow:,.0f} B" if grow is not None else "-")
                          + f" | {r['arrow_peak_bytes'] / 2**20:.1f} MiB | "
                          f"{r['intermediate_files']:,} | {r['wall_s']:.1f} s |")
+    return lines
+
+
+def identical_lines(found: dict[str, Any]) -> list[str]:
+    """The line saying whether each scale's output equals the baseline's (none without)."""
+    same = found.get("identical_to_baseline") or {}
+    return (["Outputs byte-identical to the baseline's: "
+             + ", ".join(f"x{s} {'yes' if v else 'NO'}" for s, v in same.items()) + "."]
+            if same else [])
+
+
+def markdown(found: dict[str, Any]) -> str:
+    """The committed run's table (bench/RESULTS.md, block ``mix_driver``), and what its
+    growth per document comes to at 1 TB."""
+    scales, results = found["scales"], found["results"]
+    lines = table_lines(results, scales)
     first = next(iter(results.values()))
     top = str(scales[-1]) if str(scales[-1]) in first else scales[-1]
     per_doc = {rev: by[top]["growth_bytes_per_doc"] for rev, by in results.items()}
@@ -200,11 +215,7 @@ def markdown(found: dict[str, Any]) -> str:
               + f"; intermediate files {tb['files']:,} ({tb['measure_runs']:,} key files, "
               f"{tb['scatter_tasks']:,} scatter tasks x 2 splits, {tb['buckets']} buckets x 2), "
               f"read {tb['reads']:,} times as Parquet row groups."]
-    same = found.get("identical_to_baseline") or {}
-    if same:
-        lines.append("Outputs byte-identical to the baseline's: "
-                     + ", ".join(f"x{s} {'yes' if v else 'NO'}" for s, v in same.items()) + ".")
-    return "\n".join(lines)
+    return "\n".join(lines + identical_lines(found))
 
 
 def main() -> None:
