@@ -323,8 +323,7 @@ class Llama(nn.Module):
         self.z_loss = 0.0
         # The loss from the hidden states: True, in cache-sized chunks (loss.py's custom
         # op); WHOLE, that op in one chunk; False, plain logits + cross_entropy; LIGER,
-        # Liger-Kernel's (CUDA). The run
-        # sets it from train.fused_loss (train/loss_choice.py).
+        # Liger-Kernel's (CUDA). The run sets it from train.fused_loss (loss_choice.py).
         self.fused_loss: bool | str = True
         self.tok_embeddings = nn.Embedding(vocab_size, cfg.n_embd)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
