@@ -6,7 +6,8 @@ compile (per block over several ranks; the whole forward on one), then ``fully_s
 each block and finally on the root, and the optimizer built only after sharding (one
 built before would hold the unsharded parameters and train nothing). On GPUs with bf16
 the parameters are gathered in bf16 and gradients reduced in fp32
-(``MixedPrecisionPolicy``); the sharded master weights and the optimizer state stay fp32. On CPU (gloo) everything is fp32, which is what the tests run.
+(``MixedPrecisionPolicy``); the sharded master weights and the optimizer state stay fp32.
+On CPU (gloo) everything is fp32, which is what the tests run.
 
 A sharded checkpoint is a DCP directory, ``step-NNNNNN.dcp/``: each rank writes its own
 shards (``__<rank>_0.distcp``) and rank 0 the metadata. DCP can load it into another
