@@ -277,17 +277,68 @@ class Sampler(threading.Thread):
 
 
 METER = {"tasks": 0, "task_bytes": 0, "result_bytes": 0}
+_WORK_DIR = re.compile(r"^\.(?P<name>[^.]+)(\.partial|\..*\.tmp)$")
+
+
+def _files(data: Path) -> dict[str, int]:
+    """Every file under ``data`` (relative path -> bytes), a stage's work directory
+    (``.NAME.partial``, ``.NAME.XXXX.tmp``) named as the directory it becomes."""
+    found = {}
+    for dirpath, _, names in os.walk(data):
+        rel = Path(dirpath).relative_to(data).parts
+        if rel and (m := _WORK_DIR.match(rel[0])):
+            rel = (m["name"], *rel[1:])
+        for name in names:
+            try:
+                found["/".join((*rel, name))] = os.stat(os.path.join(dirpath, name)).st_size
+            except OSError:  # removed meanwhile
+                continue
+    return found
+
+
+class FileWatch:
+    """The intermediate files of a stage: those under data/ when any of its maps starts
+    that neither were there before the stage nor are its outputs at the end (each
+    map's scratch, plans, completion marks). A lower bound: a file made and removed
+    within one map is not seen. Also the largest total size of such files."""
+
+    def __init__(self, data: Path) -> None:
+        self.data = data
+        self.before: dict[str, int] = {}
+        self.seen: dict[str, int] = {}
+        self.peak_bytes = 0
+
+    def begin(self) -> None:
+        self.before, self.seen, self.peak_bytes = _files(self.data), {}, 0
+
+    def look(self) -> None:
+        new = {k: v for k, v in _files(self.data).items() if k not in self.before}
+        self.seen.update(new)
+        self.peak_bytes = max(self.peak_bytes, sum(new.values()))
+
+    def end(self) -> dict[str, int]:
+        after = _files(self.data)
+        scratch = [k for k in self.seen if k not in after]
+        return {"intermediate_files": len(scratch),
+                "intermediate_peak_bytes": self.peak_bytes,
+                "output_files": sum(1 for k in after if k not in self.before)}
+
+
+WATCH: list[FileWatch] = []  # the run's watch, looked at as each map starts
 
 
 def _meter_executor() -> None:
     """Count the pickled bytes of every task sent and result returned (both executors
-    pay the same small cost): what Ray moves through its object store and RPCs."""
+    pay the same small cost): what Ray moves through its object store and RPCs; and
+    let the file watch look at the data tree as each map starts."""
     from lmforge.executor import Executor
 
     plain = Executor.map
 
     def metered(self, fn, tasks, desc=None, log=None):
         tasks = list(tasks)
+        for watch in WATCH:
+            watch.look()
         METER["tasks"] += len(tasks)
         METER["task_bytes"] += sum(len(pickle.dumps(t, protocol=5)) for t in tasks)
         for result in plain(self, fn, tasks, desc, log):
@@ -295,6 +346,21 @@ def _meter_executor() -> None:
             yield result
 
     Executor.map = metered
+
+
+def _io_chars() -> tuple[int, int]:
+    """(rchar, wchar) of this process and its reaped children: every byte read and
+    written through system calls (files, and the pool's pipes), the workers' included
+    once the pool has reaped them; a Ray worker is no child, so on Ray the driver's."""
+    with open("/proc/self/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return int(fields["rchar"]), int(fields["wchar"])
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """(the driver's own CPU seconds, its reaped children's): user + system."""
+    t = os.times()
+    return t.user + t.system, t.children_user + t.children_system
 
 
 def eval_sets(params: Any) -> dict[str, str]:
@@ -381,23 +447,30 @@ def run_child(kind: str, corpus: Path, root: Path, out: Path) -> None:
         import tracemalloc
 
         tracemalloc.start()
+    watch = FileWatch(root / "data")
+    WATCH.append(watch)
     for stage in STAGES:
         if stage == "shards" and not tokenizer.is_file():  # not part of the measured stage
             train_tokenizer(params.tokenizer, tokenizer)
         METER.update(tasks=0, task_bytes=0, result_bytes=0)
         sampler.begin()
+        watch.begin()
         _reset_hwm("self")
         rss0 = _status_kib("self", "VmRSS:")
         if traced:
             tracemalloc.reset_peak()
             heap0 = tracemalloc.get_traced_memory()[0]
-        start = time.perf_counter()
+        io0, cpu0, start = _io_chars(), _cpu_seconds(), time.perf_counter()
         metrics = steps[stage]()
         wall = time.perf_counter() - start
+        cpu, io = _cpu_seconds(), _io_chars()
         heap = {"driver_heap_growth_kib": (tracemalloc.get_traced_memory()[1] - heap0) // 1024
                 } if traced else {}
         figures["stages"][stage] = {
-            "wall_s": round(wall, 3), **sampler.end(), **heap,
+            "wall_s": round(wall, 3), **sampler.end(), **heap, **watch.end(),
+            "driver_cpu_s": round(cpu[0] - cpu0[0], 3),
+            "children_cpu_s": round(cpu[1] - cpu0[1], 3),
+            "read_chars": io[0] - io0[0], "written_chars": io[1] - io0[1],
             "driver_peak_kib": _status_kib("self", "VmHWM:"),
             "driver_growth_kib": _status_kib("self", "VmHWM:") - rss0, **METER,
             "metrics": {k: metrics[k] for k in ("total", "exact_dups", "near_dups", "clusters")
