@@ -511,6 +511,16 @@ def text_size(path: Path, stage: str) -> tuple[int, int, int]:
     return docs, size, largest
 
 
+def task_units(corpus: Path, data: Path) -> dict[str, int]:
+    """What each stage's work is cut by: ingest's input files, the other stages' input
+    parts (mixed/'s splits together)."""
+    units = {"ingest": len(list(corpus.glob("*/*.jsonl.gz")))}
+    for stage, src in zip(STAGES[1:], OUTPUTS[:-1], strict=True):
+        units[stage] = (len(list((data / src).glob("part-*.parquet")))
+                        or len(list((data / src).glob("*/part-*.parquet"))))
+    return units
+
+
 def tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -664,6 +674,9 @@ def main() -> None:
                                                                            strict=True)}
                           for s in (1, n)},
         "files": {s: sum(1 for p in ref[s].rglob("*") if p.is_file()) for s in (1, n)},
+        "task_units": {s: task_units(corpora[s], ref[s]) for s in (1, n)},
+        "input_gz_bytes": {s: sum(f.stat().st_size for f in corpora[s].glob("*/*.jsonl.gz"))
+                           for s in (1, n)},
         "differ": differ,
         "mix_driver": {s: mix_driver(ref[s] / "decontam", work) for s in (1, n)},
         "driver_rates": driver_rates(ref[n] / "ingested", work / "driver_probe"),

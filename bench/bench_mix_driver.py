@@ -134,19 +134,27 @@ def same_tree(a: Path, b: Path) -> bool:
     return fa == fb and all(filecmp.cmp(a / p, b / p, shallow=False) for p in fa)
 
 
+def growth_per_doc(r: dict[str, Any], first: dict[str, Any]) -> float | None:
+    """What the driver adds per document from the first scale's run ``first`` to ``r``:
+    its heap's peak plus Arrow's pool's peak (tracemalloc cannot see Arrow's)."""
+    if r["docs"] == first["docs"]:
+        return None
+    held = r["peak_bytes"] + r["arrow_peak_bytes"]
+    return round((held - first["peak_bytes"] - first["arrow_peak_bytes"])
+                 / (r["docs"] - first["docs"]), 1)
+
+
 def report(results: dict[str, dict[int, dict]], scales: list[int]) -> None:
     """The table: per revision and scale, peak, growth per document, files, wall."""
     print(f"{'revision':<10} {'scale':>5} {'docs':>8} {'heap peak MiB':>13} "
           f"{'growth B/doc':>12} {'Arrow peak MiB':>14} {'files':>7} {'wall s':>7}")
     for rev, by_scale in results.items():
-        first = by_scale[scales[0]]
         for s in scales:
             r = by_scale[s]
-            grow = ((r["peak_bytes"] - first["peak_bytes"]) / (r["docs"] - first["docs"])
-                    if s != scales[0] else float("nan"))
-            r["growth_bytes_per_doc"] = None if s == scales[0] else round(grow, 1)
+            r["growth_bytes_per_doc"] = grow = growth_per_doc(r, by_scale[scales[0]])
             print(f"{rev:<10} x{s:<4} {r['docs']:>8} {r['peak_bytes'] / 2**20:>13.1f} "
-                  f"{grow:>12.1f} {r['arrow_peak_bytes'] / 2**20:>14.1f} "
+                  f"{grow if grow is not None else float('nan'):>12.1f} "
+                  f"{r['arrow_peak_bytes'] / 2**20:>14.1f} "
                   f"{r['intermediate_files']!s:>7} {r['wall_s']:>7.1f}")
 
 
@@ -176,16 +184,21 @@ def projection() -> dict[str, float]:
             "buckets": buckets}
 
 
+def _at_scale(by_scale: dict, s: int) -> dict[str, Any]:
+    """A scale's figures, keyed by int (a fresh run) or str (read back from JSON)."""
+    return by_scale[str(s)] if str(s) in by_scale else by_scale[s]
+
+
 def table_lines(results: dict[str, dict], scales: list[int]) -> list[str]:
-    """A driver bench's table: per revision and scale, heap peak, growth per document,
-    Arrow peak, intermediate files, wall (bench_dedup_driver.py's too)."""
-    lines = ["| code | scale | documents | driver heap at peak | added per document | "
-             "Arrow pool peak | intermediate files | wall |",
+    """A driver bench's table: per revision and scale, heap peak, Arrow peak, growth per
+    document (both), intermediate files, wall (bench_dedup_driver.py's too)."""
+    lines = ["| code | scale | documents | driver heap at peak | added per document "
+             "(heap + Arrow) | Arrow pool peak | intermediate files | wall |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for rev, by_scale in results.items():
         for s in scales:
-            r = by_scale[str(s)] if str(s) in by_scale else by_scale[s]
-            grow = r.get("growth_bytes_per_doc")
+            r = _at_scale(by_scale, s)
+            grow = growth_per_doc(r, _at_scale(by_scale, scales[0]))
             lines.append(f"| {rev} | x{s} | {r['docs']:,} | {r['peak_bytes'] / 2**20:.1f} MiB | "
                          + (f"{grow:,.0f} B" if grow is not None else "-")
                          + f" | {r['arrow_peak_bytes'] / 2**20:.1f} MiB | "
@@ -208,7 +221,9 @@ def markdown(found: dict[str, Any]) -> str:
     lines = table_lines(results, scales)
     first = next(iter(results.values()))
     top = str(scales[-1]) if str(scales[-1]) in first else scales[-1]
-    per_doc = {rev: by[top]["growth_bytes_per_doc"] for rev, by in results.items()}
+    per_doc = {rev: growth_per_doc(by[top], by[str(scales[0]) if str(scales[0]) in by
+                                               else scales[0]])
+               for rev, by in results.items()}
     tb = projection()
     lines += ["", f"At 1 TB ({TB_DOCS / 1e8:.2f} × 10⁸ documents): the driver adds "
               + ", ".join(f"{v * TB_DOCS / 1e9:.1f} GB ({rev})" for rev, v in per_doc.items())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import pickle
 import random
 from pathlib import Path
 
@@ -287,6 +288,30 @@ def test_a_rerun_after_an_interrupt_skips_the_finished_tasks(corpus, local_out, 
 # --- Ray ---------------------------------------------------------------------------------
 
 
+def test_write_tasks_carry_no_ids_the_names_file_does(corpus, local_out, tmp_path,
+                                                     monkeypatch):
+    """The driver sends each write task positions in one names file, not the kept
+    documents' ids (which it never holds), and the output is the same."""
+    sent = []
+    plain = LocalExecutor.map
+
+    def recording(self, fn, tasks, desc=None, log=None):
+        tasks = list(tasks)
+        if fn is dedup.write_part:
+            sent.extend(tasks)
+        return plain(self, fn, tasks, desc, log)
+
+    monkeypatch.setattr(LocalExecutor, "map", recording)
+    run_dedup(DedupConfig(num_workers=1), corpus[0], tmp_path / "out", LocalExecutor(1))
+    assert tree(tmp_path / "out") == tree(local_out[0])
+    ids = {d[0].encode() for d in corpus[1]}
+    named = [t for t in sent if (t.name_at >= 0).any()]
+    assert len(named) >= 2 and all(isinstance(t.names, str) for t in sent)
+    for task in sent:
+        payload = pickle.dumps(task)
+        assert not any(i in payload for i in ids)
+
+
 def test_ray_writes_the_local_bytes(ray_cluster, corpus, local_out, tmp_path, monkeypatch):
     from lmforge.executor import RayExecutor
 
@@ -324,11 +349,15 @@ def test_exact_tasks_group_as_all_the_keys_at_once(tmp_path, workers):
     assert len(moved) > 300 and len(np.unique(dedup.key_slots(keys))) > 200
 
 
+@pytest.mark.parametrize("chunks", [None, (7, 5)])
 @pytest.mark.parametrize("keep", ["first", "longest", "quality"])
-def test_members_keep_what_the_whole_arrays_would(tmp_path, keep):
+def test_members_keep_what_the_whole_arrays_would(tmp_path, keep, chunks, monkeypatch):
     """cluster_members reads lengths and quality for the members alone: the kept
     documents are choose_kept's over every document, and exact means the kept one's
-    exact group."""
+    exact group; cut into small chunks of members, the same."""
+    if chunks:
+        monkeypatch.setattr(dedup, "SIMILARITY_ROWS", chunks[0])
+        monkeypatch.setattr(dedup, "MEMBER_CHUNK", chunks[1])
     rng = np.random.default_rng(6)
     n, per = 500, 120
     roots = np.arange(n)

@@ -20,10 +20,12 @@ pool or a Ray cluster; the bytes written are the same either way):
    vectorised union-find; a cluster's root is its smallest document index.
 5. **members** (driver): the documents in clusters of two or more, the one each cluster
    keeps (lengths and quality read for the members alone), exact or near, similarity.
-6. **names** (a task per part holding a kept document of a cluster): those ids.
-7. **write** (a task per part): the part without its dropped documents; back come its
-   counts and its rows of clusters.parquet, which the driver writes as they come, in row
-   groups as one ``write_table`` of the whole table makes them (the same bytes).
+6. **names** (tasks over runs of the parts holding a kept document of a cluster): those
+   ids, which the driver streams into one Arrow file, ``.names.arrow``.
+7. **write** (a task per part): the part without its dropped documents, its members'
+   cluster names taken by position from the names file; back come its counts and its
+   rows of clusters.parquet, which the driver writes as they come, in row groups as one
+   ``write_table`` of the whole table makes them (the same bytes).
 
 Two representatives are joined iff they share a bucket in at least one band and their
 estimated Jaccard reaches the threshold: the pairs ``datasketch.MinHashLSH`` returns and
@@ -35,9 +37,11 @@ in ``.done/``) and writes the same bytes.
 
 The driver never holds an id or a domain: per document, the union-find's forest (8
 bytes) and, while it is joined or compressed, as much again; the exact pairs (16 bytes
-per exact duplicate); per member of a cluster, its kept document, flags and similarity
-(~25 bytes) and each kept document's id. bench/bench_dedup_driver.py measures it at x1,
-x10 and x30 of the demo corpus (bench/RESULTS.md, block ``dedup_driver``).
+per exact duplicate); per member of a cluster, the member, its kept document, flags and
+similarity (~25 bytes; the lookups between run on chunks of members); besides, one block
+of signatures, one names task's ids and up to a row group of clusters.parquet, whatever
+the corpus. bench/bench_dedup_driver.py measures it at x1, x10 and x30 of the demo
+corpus (bench/RESULTS.md, block ``dedup_driver``).
 """
 
 
@@ -87,6 +91,8 @@ EDGE_CAP = 1 << 22  # confirmed pairs a band task holds before reducing them to 
 # Pairs whose signatures the driver reads at once for clusters.parquet's similarity: two
 # 4 MiB blocks at 128 slots (65,536 rows made 64 MiB, the driver's largest allocation).
 SIMILARITY_ROWS = 1 << 13
+MEMBER_CHUNK = 1 << 16  # members looked up at once in the exact pairs
+NAMES_FILE = ".names.arrow"  # the kept documents' ids, for the write tasks (kept_names)
 CLUSTER_ROW_GROUP = 1 << 20  # clusters.parquet's rows a row group (write_table's default)
 
 
@@ -515,12 +521,25 @@ def _member_meta(stems: list[str], offsets: np.ndarray, docs: np.ndarray,
     return chars, quality
 
 
-def _similarity(sigs: Signatures, docs: np.ndarray, kept: np.ndarray) -> np.ndarray:
-    """Each document's estimated Jaccard to its kept one, ``SIMILARITY_ROWS`` at a time."""
-    out = np.empty(len(docs))
+def _exact(docs: np.ndarray, kept: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """Whether each member is in its kept document's exact group, ``MEMBER_CHUNK``
+    members at a time (the lookups' index arrays stay that small)."""
+    out = np.empty(len(docs), dtype=bool)
+    for lo in range(0, len(docs), MEMBER_CHUNK):
+        hi = lo + MEMBER_CHUNK
+        out[lo:hi] = _first_of(docs[lo:hi], pairs) == _first_of(kept[lo:hi], pairs)
+    return out
+
+
+def _similarity(sigs: Signatures, docs: np.ndarray, kept: np.ndarray,
+                exact: np.ndarray) -> np.ndarray:
+    """Each member's estimated Jaccard to its kept document (1 in its exact group),
+    the near ones of ``SIMILARITY_ROWS`` members at a time."""
+    out = np.ones(len(docs))
     for lo in range(0, len(docs), SIMILARITY_ROWS):
-        hi = lo + SIMILARITY_ROWS
-        out[lo:hi] = minhash.jaccard(sigs.rows(docs[lo:hi]), sigs.rows(kept[lo:hi]))
+        near = np.flatnonzero(~exact[lo : lo + SIMILARITY_ROWS]) + lo
+        if len(near):
+            out[near] = minhash.jaccard(sigs.rows(docs[near]), sigs.rows(kept[near]))
     return out
 
 
@@ -540,19 +559,19 @@ def cluster_members(cfg: DedupConfig, roots: np.ndarray, pairs: np.ndarray,
                     stems: list[str], offsets: np.ndarray) -> Members:
     """The clusters' members, the documents they keep (lengths and quality read for
     the members alone), exact or near, and their similarity."""
+    # What it holds a member is the point: each array is let go as soon as it is used.
     moved = _points(roots, fixed=False)
     heads = np.unique(roots[moved])
-    docs = np.union1d(moved, heads)
+    docs, clusters = np.union1d(moved, heads), len(heads)
+    del moved, heads
     root_at = np.searchsorted(docs, roots[docs])  # each member's root, as a member index
     chars, quality = (_member_meta(stems, offsets, docs) if cfg.keep != "first"
                       else (None, None))
     kept = docs[choose_kept(root_at, chars, cfg.keep, quality)]
-    exact = _first_of(docs, pairs) == _first_of(kept, pairs)
-    similarity = exact.astype(np.float64)
-    near = np.flatnonzero(~exact)
-    if len(near):
-        similarity[near] = _similarity(Signatures(stems, offsets), docs[near], kept[near])
-    return Members(docs, kept, exact, similarity, len(heads))
+    del root_at, chars, quality
+    exact = _exact(docs, kept, pairs)
+    similarity = _similarity(Signatures(stems, offsets), docs, kept, exact)
+    return Members(docs, kept, exact, similarity, clusters)
 
 
 # --- 6. names and write (tasks per part) ------------------------------------------------
@@ -579,7 +598,19 @@ class WriteTask:
     kept: np.ndarray  # bool per member row
     exact: np.ndarray  # bool per member row
     similarity: np.ndarray  # float64 per member row
-    names: pa.Array  # string per member row: its kept document's id (null: itself)
+    names: str  # the Arrow file of the kept documents' ids (kept_names)
+    name_at: np.ndarray  # int64 per member row: its kept document's id's row there (-1: itself)
+
+
+def _names_of(task: WriteTask) -> tuple[np.ndarray, pa.Array]:
+    """Which member rows name another document as kept, and those ids in row order,
+    taken from the memory-mapped names file (no copy of the rest)."""
+    other = task.name_at >= 0
+    if not other.any():
+        return other, pa.array([], pa.string())
+    with pa.memory_map(task.names) as source:
+        column = pa.ipc.open_file(source).read_all().column("id")
+        return other, column.take(pa.array(task.name_at[other])).combine_chunks()
 
 
 def write_part(task: WriteTask) -> tuple[int, Counts, pa.Table]:
@@ -596,8 +627,8 @@ def write_part(task: WriteTask) -> tuple[int, Counts, pa.Table]:
     write_table(table.filter(pa.array(is_kept)), task.out)
     ids = table.column("id").combine_chunks()
     named = np.zeros(n, dtype=bool)
-    named[task.rows] = task.names.is_valid().to_numpy(zero_copy_only=False)
-    cluster = pc.replace_with_mask(ids, pa.array(named), task.names.drop_null())
+    named[task.rows], names = _names_of(task)
+    cluster = pc.replace_with_mask(ids, pa.array(named), names)
     domains = table.column("domain").combine_chunks()
     rows = pa.table({"id": ids, "domain": domains, "cluster": cluster, "kept": is_kept,
                      "similarity": similarity}, schema=CLUSTERS_SCHEMA)
@@ -622,9 +653,11 @@ def _counts(domains: pa.Array, is_kept: np.ndarray, exact: np.ndarray) -> Counts
 
 
 def kept_names(members: Members, parts: list[Path], offsets: np.ndarray,
-               executor: Executor, log: PartLog) -> tuple[np.ndarray, pa.Array]:
-    """The documents other members are kept for, ascending, and their ids (read by two
-    tasks a worker, each a run of the parts that hold some: a few rows a part)."""
+               executor: Executor, log: PartLog, path: Path) -> np.ndarray:
+    """The documents other members are kept for, ascending; their ids, in that order,
+    go to the Arrow file ``path`` (read by two tasks a worker, each a run of the parts
+    that hold some: a few rows a part). The driver holds one task's ids at a time, and
+    each write task takes its few from the file."""
     wanted = np.unique(members.kept[members.kept != members.docs])
     cut = np.searchsorted(wanted, offsets)
     holders = np.flatnonzero(np.diff(cut))
@@ -632,26 +665,27 @@ def kept_names(members: Members, parts: list[Path], offsets: np.ndarray,
     tasks = [NameTask(tuple(str(parts[p]) for p in run),
                       tuple(wanted[cut[p] : cut[p + 1]] - offsets[p] for p in run))
              for run in runs]
-    names = list(executor.map(read_names, tasks, "dedup: names", log))
-    return wanted, (pa.concat_arrays(names) if names else pa.array([], pa.string()))
+    schema = pa.schema([("id", pa.string())])
+    with atomic_path(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, \
+            pa.ipc.new_file(sink, schema) as names:
+        for ids in executor.map(read_names, tasks, "dedup: names", log):
+            names.write_batch(pa.record_batch([ids], schema=schema))
+    return wanted
 
 
 def write_tasks(members: Members, parts: list[Path], offsets: np.ndarray, wanted: np.ndarray,
-                names: pa.Array, tmp: Path) -> list[WriteTask]:
-    """A task per part, with its members' rows and their kept documents' ids."""
+                names: Path, tmp: Path) -> list[WriteTask]:
+    """A task per part, with its members' rows and where their kept documents' ids are
+    in the names file (:func:`kept_names`)."""
     cut = np.searchsorted(members.docs, offsets)
     tasks = []
     for k, part in enumerate(parts):
         sel = slice(cut[k], cut[k + 1])
         docs, kept = members.docs[sel], members.kept[sel]
-        other = kept != docs
-        at = np.searchsorted(wanted, kept)
-        mask = pa.array(~other)  # a kept document names itself (null here)
-        ids = names.take(pa.array(np.where(other, at, 0))) if len(names) else \
-            pa.nulls(len(docs), pa.string())
+        other = kept != docs  # a kept document names itself: no id sent
         tasks.append(WriteTask(str(part), str(tmp / part.name), docs - offsets[k],
                                ~other, members.exact[sel], members.similarity[sel],
-                               pc.if_else(mask, pa.nulls(len(docs), pa.string()), ids)))
+                               str(names), np.where(other, np.searchsorted(wanted, kept), -1)))
     return tasks
 
 
@@ -761,7 +795,8 @@ def run_dedup(cfg: DedupConfig, in_dir: str | Path, out_dir: str | Path,
         roots = cluster_roots(cfg, stems, offsets, first, tmp, executor)
         members = cluster_members(cfg, roots, pairs, stems, offsets)
         del roots, first, pairs
-        wanted, names = kept_names(members, parts, offsets, executor, PartLog(done / "names"))
+        names = tmp / NAMES_FILE
+        wanted = kept_names(members, parts, offsets, executor, PartLog(done / "names"), names)
         tasks = write_tasks(members, parts, offsets, wanted, names, tmp)
         counts, written = Counts(), 0
         # In task order, as they finish: the rows go straight into clusters.parquet.
