@@ -602,6 +602,10 @@ def load() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--copies", type=int, default=10)
+    ap.add_argument("--mid", type=int, default=10,
+                    help="a scale between x1 and x--copies also run (skipped if not between): "
+                         "what grows per document is taken from it to the largest, past "
+                         "the fixed blocks a small corpus does not fill")
     ap.add_argument("--rounds", type=int, default=2,
                     help="runs of each (corpus, executor), interleaved local-ray-ray-local...; "
                          "the best wall time and the largest memory are reported")
@@ -622,8 +626,9 @@ def main() -> None:
     work, n = args.work.resolve(), args.copies
     started, load_start = time.perf_counter(), load()
     t = time.perf_counter()
-    corpora = {1: DEMO, n: make_corpus(work / f"corpus_x{n}", n)}
-    print(f"corpus x{n}: {work / f'corpus_x{n}'} ({time.perf_counter() - t:.0f} s)", flush=True)
+    scales = (1, args.mid, n) if 1 < args.mid < n else (1, n)
+    corpora = {s: make_corpus(work / f"corpus_x{s}", s) if s > 1 else DEMO for s in scales}
+    print(f"corpora x{scales}: {work} ({time.perf_counter() - t:.0f} s)", flush=True)
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("LMFORGE_EXECUTOR", None)
     env.pop("RAY_ADDRESS", None)  # the run starts its own 2-CPU Ray
@@ -637,8 +642,8 @@ def main() -> None:
             envs[f"{k}@base"] = {**env, "PYTHONPATH": str(base)}
         kinds.append("ray@base")
         traced.append(f"{TRACED}@base")
-    runs: dict[int, dict[str, list]] = {s: {k: [] for k in kinds + traced} for s in (1, n)}
-    for scale in (1, n):
+    runs: dict[int, dict[str, list]] = {s: {k: [] for k in kinds + traced} for s in scales}
+    for scale in scales:
         for r in range(args.rounds):
             for kind in (kinds if r % 2 == 0 else kinds[::-1]) + (traced if r == 0 else []):
                 root = work / f"x{scale}" / kind / f"r{r}"
@@ -655,30 +660,30 @@ def main() -> None:
                 print(f"x{scale} {kind} round {r}: {time.perf_counter() - t:.0f} s ({walls}); "
                       f"load {load()}", flush=True)
 
-    ref = {s: work / f"x{s}" / "local" / "r0" / "data" for s in (1, n)}
+    ref = {s: work / f"x{s}" / "local" / "r0" / "data" for s in scales}
     inputs = {s: {st: text_size(corpora[s] if st == "ingest" else ref[s] / src, st)
-                  for st, src in zip(STAGES, ("", *OUTPUTS[:-1]), strict=True)} for s in (1, n)}
+                  for st, src in zip(STAGES, ("", *OUTPUTS[:-1]), strict=True)} for s in scales}
     differ = {s: {f"{k}/r{r}": compare_trees(ref[s], work / f"x{s}" / k / f"r{r}" / "data")
                   for k, rounds in runs[s].items() for r in range(len(rounds))
                   if (k, r) != ("local", 0)}
-              for s in (1, n)}
+              for s in scales}
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     clusters = pq.read_table(ref[n] / "deduped" / "clusters.parquet", columns=["id", "domain"])
     report = {
-        "copies": n, "cores": CORES, "rounds": args.rounds, "baseline": args.baseline, "load_start": load_start,
+        "copies": n, "scales": scales, "cores": CORES, "rounds": args.rounds, "baseline": args.baseline, "load_start": load_start,
         "load_end": load(), "runs": runs,
         "inputs": {s: dict(v) for s, v in inputs.items()},
         "outputs_bytes": {s: {st: tree_bytes(ref[s] / o) for st, o in zip(STAGES, OUTPUTS,
                                                                            strict=True)}
-                          for s in (1, n)},
-        "files": {s: sum(1 for p in ref[s].rglob("*") if p.is_file()) for s in (1, n)},
-        "task_units": {s: task_units(corpora[s], ref[s]) for s in (1, n)},
+                          for s in scales},
+        "files": {s: sum(1 for p in ref[s].rglob("*") if p.is_file()) for s in scales},
+        "task_units": {s: task_units(corpora[s], ref[s]) for s in scales},
         "input_gz_bytes": {s: sum(f.stat().st_size for f in corpora[s].glob("*/*.jsonl.gz"))
-                           for s in (1, n)},
+                           for s in scales},
         "differ": differ,
-        "mix_driver": {s: mix_driver(ref[s] / "decontam", work) for s in (1, n)},
+        "mix_driver": {s: mix_driver(ref[s] / "decontam", work) for s in scales},
         "driver_rates": driver_rates(ref[n] / "ingested", work / "driver_probe"),
         "dedup_id_domain_bytes_per_doc": round(
             sum(pc.sum(pc.binary_length(clusters.column(c))).as_py() + 4 * len(clusters)
@@ -689,7 +694,7 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
     if not args.keep:
-        for scale in (1, n):
+        for scale in scales:
             shutil.rmtree(work / f"x{scale}", ignore_errors=True)
 
 

@@ -88,9 +88,11 @@ BAND_ROWS_PER_TASK = 1 << 23  # representatives one band task sorts (~0.5 GB at 
 PAIR_CHUNK = 1 << 16  # bucket pairs checked at once (two signatures each)
 GATHER_ROWS = 1 << 16  # signatures read at once for a run of buckets
 EDGE_CAP = 1 << 22  # confirmed pairs a band task holds before reducing them to a forest
-# Pairs whose signatures the driver reads at once for clusters.parquet's similarity: two
-# 4 MiB blocks at 128 slots (65,536 rows made 64 MiB, the driver's largest allocation).
-SIMILARITY_ROWS = 1 << 13
+# Members whose similarity the driver computes at once for clusters.parquet: two 1 MiB
+# blocks of signatures at 128 slots (65,536 rows made 64 MiB, the driver's largest
+# allocation; 8,192 made 8 MiB, a fixed block that at x30 of the demo still looked
+# like ~100 B a document; the time is the same).
+SIMILARITY_ROWS = 1 << 11
 MEMBER_CHUNK = 1 << 16  # members looked up at once in the exact pairs
 NAMES_FILE = ".names.arrow"  # the kept documents' ids, for the write tasks (kept_names)
 CLUSTER_ROW_GROUP = 1 << 20  # clusters.parquet's rows a row group (write_table's default)
