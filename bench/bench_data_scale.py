@@ -1,4 +1,4 @@
-"""The data stages at scale: demo corpus x1 and x10, on the local pool vs Ray, same 2 CPUs.
+"""The data stages at scale: demo corpus x1, x10 and xN, on the local pool vs Ray, same 2 CPUs.
 
 ingest -> filter -> dedup -> decontam -> mix -> shards run in-process (the ``run_*``
 functions the stages call, params.yaml's settings, ``num_workers`` 2), each (corpus,
@@ -28,8 +28,16 @@ docs/s/core per stage at x10 on the local pool; the pickled bytes of the tasks a
 (what Ray's object store and RPCs carry); the mix driver's heap per document and its
 intermediate files; whether every run's output tree is byte-identical to local's.
 
-    .venv/bin/python bench/bench_data_scale.py [--copies 10] [--rounds 2] [--baseline REV]
-        [--work /tmp/lmforge_scale] [--out scale.json] [--keep]
+Recorded per stage besides (the inputs of bench/project_tb.py's 1 TB projection): the
+driver's own CPU seconds and its reaped pool workers'; the bytes read and written through
+system calls (``rchar`` + ``wchar`` of the driver and, on the local pool, its reaped
+workers); the intermediate files (:class:`FileWatch`). ``--mid`` (default 10) runs a scale
+between x1 and x``--copies`` too, so that what grows per document can be taken past the
+fixed blocks a small corpus does not fill. The kinds ``ray3`` and ``ray3-kill`` (a
+three-node cluster, with a worker node killed mid-filter) are bench_ray_cluster.py's.
+
+    .venv/bin/python bench/bench_data_scale.py [--copies 10] [--mid 10] [--rounds 2]
+        [--baseline REV] [--work /tmp/lmforge_scale] [--out scale.json] [--keep]
 """
 
 from __future__ import annotations
@@ -384,6 +392,65 @@ def train_tokenizer(cfg: Any, path: Path) -> None:
     shutil.rmtree("tokenizer")
 
 
+CLUSTER_KINDS = ("ray3", "ray3-kill")  # bench_ray_cluster.py's: three Ray nodes
+CLUSTER_NODES = 3
+KILL_AT = "filter.filter_part"  # ray3-kill removes a worker node when it first runs this
+CURRENT = {"stage": ""}  # the stage running, for the marks
+
+
+def on_node(marks: str, stage: str, fn: Any, task: Any) -> Any:
+    """Run ``fn(task)`` on a Ray worker, leaving a mark of the stage, function and node."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    (Path(marks) / f"{stage}.{fn.__name__}@{node}").touch()
+    return fn(task)
+
+
+def ran_on(marks: Path) -> dict[str, dict[str, int]]:
+    """Per stage and task function, on how many nodes it ran (from the marks)."""
+    nodes: dict[str, dict[str, set[str]]] = {}
+    for mark in marks.iterdir():
+        name, node = mark.name.split("@")
+        stage, fn = name.split(".", 1)
+        nodes.setdefault(stage, {}).setdefault(fn, set()).add(node)
+    return {stage: {fn: len(v) for fn, v in sorted(fns.items())}
+            for stage, fns in nodes.items()}
+
+
+def start_cluster(marks: Path, kill: bool) -> tuple[Any, dict[str, bool]]:
+    """A head and two worker nodes of one CPU each (``ray.cluster_utils.Cluster``, Ray's
+    multi-node harness, on this machine), every task marking where it ran; with
+    ``kill``, the first worker node is removed (raylet and workers killed) the first
+    time it runs a ``KILL_AT`` task. Returns the cluster and {"killed": ...}."""
+    import functools
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from lmforge.executor import RayExecutor
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    workers = [cluster.add_node(num_cpus=1) for _ in range(CLUSTER_NODES - 1)]
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    marks.mkdir(parents=True, exist_ok=True)
+    plain = RayExecutor._run
+    RayExecutor._run = lambda self, fn, tasks: plain(
+        self, functools.partial(on_node, str(marks), CURRENT["stage"], fn), tasks)
+    doomed: dict[str, bool] = {}
+    if kill:
+        def kill_when_busy() -> None:
+            mark = marks / f"{KILL_AT}@{workers[0].node_id}"
+            while not mark.exists():
+                time.sleep(0.01)
+            cluster.remove_node(workers[0], allow_graceful=False)
+            doomed["killed"] = True
+
+        threading.Thread(target=kill_when_busy, daemon=True).start()
+    return cluster, doomed
+
+
 def run_child(kind: str, corpus: Path, root: Path, out: Path) -> None:
     """Run the six stages on ``corpus`` into ``root``/data with ``kind``; figures to
     ``out``. ``ray-traced`` also traces the driver's Python heap (tracemalloc: slower, so
@@ -394,7 +461,7 @@ def run_child(kind: str, corpus: Path, root: Path, out: Path) -> None:
     from lmforge.data.filtering import run_filter
     from lmforge.data.ingest import run_ingest
     from lmforge.data.mix import run_mix, val_ids
-    from lmforge.executor import LocalExecutor, RayExecutor
+    from lmforge.executor import ExecutorError, LocalExecutor, RayExecutor
     from lmforge.shards.build import build_shards
 
     os.chdir(root)  # relative data/ paths, as the stages use (Ray tasks run here too)
@@ -407,11 +474,17 @@ def run_child(kind: str, corpus: Path, root: Path, out: Path) -> None:
     figures: dict[str, Any] = {"kind": kind, "stages": {}}
     on_ray = kind.startswith("ray")
     t0 = time.perf_counter()
-    if on_ray:
+    cluster = None
+    if kind in CLUSTER_KINDS:
+        cluster, doomed = start_cluster(root / "marks", kill=kind == "ray3-kill")
+        figures["nodes"] = CLUSTER_NODES
+    elif on_ray:
         import ray
 
         ray.init(num_cpus=CORES, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
+    if on_ray:
+        import ray
 
         @ray.remote(num_cpus=1)
         def warm() -> int:
@@ -453,6 +526,7 @@ def run_child(kind: str, corpus: Path, root: Path, out: Path) -> None:
         if stage == "shards" and not tokenizer.is_file():  # not part of the measured stage
             train_tokenizer(params.tokenizer, tokenizer)
         METER.update(tasks=0, task_bytes=0, result_bytes=0)
+        CURRENT["stage"] = stage
         sampler.begin()
         watch.begin()
         _reset_hwm("self")
@@ -461,7 +535,15 @@ def run_child(kind: str, corpus: Path, root: Path, out: Path) -> None:
             tracemalloc.reset_peak()
             heap0 = tracemalloc.get_traced_memory()[0]
         io0, cpu0, start = _io_chars(), _cpu_seconds(), time.perf_counter()
-        metrics = steps[stage]()
+        reruns = 0
+        while True:  # as a user reruns a stage that failed: it resumes where it was
+            try:
+                metrics = steps[stage]()
+                break
+            except ExecutorError:
+                if cluster is None or reruns == 2:
+                    raise
+                reruns += 1
         wall = time.perf_counter() - start
         cpu, io = _cpu_seconds(), _io_chars()
         heap = {"driver_heap_growth_kib": (tracemalloc.get_traced_memory()[1] - heap0) // 1024
@@ -470,7 +552,7 @@ def run_child(kind: str, corpus: Path, root: Path, out: Path) -> None:
             "wall_s": round(wall, 3), **sampler.end(), **heap, **watch.end(),
             "driver_cpu_s": round(cpu[0] - cpu0[0], 3),
             "children_cpu_s": round(cpu[1] - cpu0[1], 3),
-            "read_chars": io[0] - io0[0], "written_chars": io[1] - io0[1],
+            "read_chars": io[0] - io0[0], "written_chars": io[1] - io0[1], "reruns": reruns,
             "driver_peak_kib": _status_kib("self", "VmHWM:"),
             "driver_growth_kib": _status_kib("self", "VmHWM:") - rss0, **METER,
             "metrics": {k: metrics[k] for k in ("total", "exact_dups", "near_dups", "clusters")
@@ -479,6 +561,10 @@ def run_child(kind: str, corpus: Path, root: Path, out: Path) -> None:
         import ray
 
         ray.shutdown()
+    if cluster is not None:
+        cluster.shutdown()
+        figures["killed_node"] = doomed.get("killed", False)
+        figures["ran_on"] = ran_on(root / "marks")
     out.write_text(json.dumps(figures, indent=1))
 
 

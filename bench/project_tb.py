@@ -1,8 +1,9 @@
 """1 TB of text through the data stages on a Ray cluster, projected from measured figures.
 
 Every rate comes from one run of ``bench/bench_data_scale.py`` (``--scale``: its JSON, the
-demo corpus x1 and xN through ingest, filter, dedup, decontam, mix and shards on 2 cores),
-taken as the growth from x1 to xN so that fixed costs (imports, pools) cancel out:
+demo corpus x1, x10 and x30 through ingest, filter, dedup, decontam, mix and shards on 2
+cores), taken as the growth from x10 to x30, so that fixed costs (imports, pools, the
+bounded blocks a stage reads or writes at once, which x1 does not fill) cancel out:
 
 * compute: the stage's wall seconds on the local pool x its 2 cores, per byte of input
   text; every stage is charged the full terabyte (an upper bound: filter and dedup shrink
@@ -74,42 +75,47 @@ def _least(r: dict[str, Any], scale: int, kind: str, stage: str, *keys: str) -> 
     return min(sum(f["stages"][stage][k] for k in keys) for f in _runs(r, scale, kind))
 
 
+def _per_byte(r: dict[str, Any], stage: str, kind: str, *keys: str) -> float:
+    """What a stage's figure (the sum of ``keys``, least over rounds) adds per byte of
+    input text from the middle scale to the largest."""
+    n, lo = r["copies"], r["scales"][-2]
+    return _slope(_least(r, n, kind, stage, *keys), _least(r, lo, kind, stage, *keys),
+                  r["inputs"][str(n)][stage][1], r["inputs"][str(lo)][stage][1])
+
+
+def _held_per_doc(r: dict[str, Any], stage: str) -> float:
+    """What the traced driver holds at the stage's peak (heap + Arrow), per document
+    added from the middle scale to the largest."""
+    n, lo = r["copies"], r["scales"][-2]
+
+    def held(scale: int) -> float:
+        return max(f["stages"][stage]["driver_heap_growth_kib"]
+                   + f["stages"][stage]["driver_arrow_growth_kib"]
+                   for f in _runs(r, scale, "ray-traced")) * 1024
+
+    return _slope(held(n), held(lo), r["inputs"][str(n)][stage][0],
+                  r["inputs"][str(lo)][stage][0])
+
+
 def stage_rates(r: dict[str, Any], dedup: dict[str, Any] | None) -> dict[str, dict]:
     """Per stage, the measured growth rates (see the module docstring)."""
-    n = r["copies"]
+    n = str(r["copies"])
     out = {}
     for stage in STAGES:
-        docs1, text1 = r["inputs"]["1"][stage][:2]
-        docs, text = r["inputs"][str(n)][stage][:2]
-
-        def grow(kind: str, *keys: str, per: str = "text") -> float:
-            x = (text, text1) if per == "text" else (docs, docs1)
-            return _slope(_least(r, n, kind, stage, *keys), _least(r, 1, kind, stage, *keys),
-                          *x)
-
-        traced = "ray-traced"
-        heap = max(f["stages"][stage]["driver_heap_growth_kib"] for f in _runs(r, n, traced))
-        heap1 = max(f["stages"][stage]["driver_heap_growth_kib"] for f in _runs(r, 1, traced))
-        arrow = max(f["stages"][stage]["driver_arrow_growth_kib"] for f in _runs(r, n, traced))
-        arrow1 = max(f["stages"][stage]["driver_arrow_growth_kib"]
-                     for f in _runs(r, 1, traced))
-        local = _runs(r, n, "local")[0]["stages"][stage]
+        local = _runs(r, r["copies"], "local")[0]["stages"][stage]
         out[stage] = {
-            "core_s_per_byte": grow("local", "wall_s") * r["cores"],
-            "driver_s_per_byte": grow("ray", "driver_cpu_s"),
-            "traffic_per_byte": grow("local", "read_chars", "written_chars"),
-            "bytes_per_doc": _slope((heap + arrow) * 1024, (heap1 + arrow1) * 1024, docs, docs1),
-            "files_per_unit": local["intermediate_files"] / r["task_units"][str(n)][stage],
-            "files_at_scale": local["intermediate_files"],
-            "units_at_scale": r["task_units"][str(n)][stage],
+            "core_s_per_byte": _per_byte(r, stage, "local", "wall_s") * r["cores"],
+            "driver_s_per_byte": _per_byte(r, stage, "ray", "driver_cpu_s"),
+            "traffic_per_byte": _per_byte(r, stage, "local", "read_chars", "written_chars"),
+            "bytes_per_doc": _held_per_doc(r, stage),
+            "files_per_unit": local["intermediate_files"] / r["task_units"][n][stage],
         }
     if dedup:  # the small row groups' growth: what grows with the corpus
         small = dedup["small_row_groups"]
-        top, first = small[str(dedup["scales"][-1])], small[str(dedup["scales"][0])]
+        top, first = small[str(dedup["scales"][-1])], small[str(dedup["scales"][-2])]
         held = top["peak_bytes"] + top["arrow_peak_bytes"]
         out["dedup"]["bytes_per_doc"] = _slope(
             held, first["peak_bytes"] + first["arrow_peak_bytes"], top["docs"], first["docs"])
-        out["dedup"]["bytes_per_doc_from"] = "bench_dedup_driver.py, 4,096-row groups"
     return out
 
 

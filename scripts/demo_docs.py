@@ -242,13 +242,30 @@ def block_dedup_driver(found: dict[str, Figures], root: Path) -> str:
     return bench.markdown(json.loads(path.read_text(encoding="utf-8"))) + "\n"
 
 
+def block_tb_projection(found: dict[str, Figures], root: Path) -> str:
+    """Issue 47's terabyte projection: bench/project_tb.py's tables from the committed
+    x1/x10/x30 run of bench_data_scale.py and the dedup driver's."""
+    bench = _script(root / "bench/project_tb.py")
+    scale = json.loads((root / "bench/results/data_scale_x30.json").read_text(encoding="utf-8"))
+    dedup = json.loads((root / "bench/results/dedup_driver.json").read_text(encoding="utf-8"))
+    return bench.markdown(scale, dedup) + "\n"
+
+
+def block_ray_cluster(found: dict[str, Figures], root: Path) -> str:
+    """Issue 47's three-node Ray run at x10: bench/bench_ray_cluster.py's table."""
+    bench = _script(root / "bench/bench_ray_cluster.py")
+    path = root / "bench/results/ray_cluster_x10.json"
+    return bench.markdown(json.loads(path.read_text(encoding="utf-8"))) + "\n"
+
+
 BLOCKS: dict[str, Callable[[dict[str, Figures], Path], str]] = {
     "summary": block_summary, "headline": block_headline, "harness": block_harness,
     "post": block_post, "domains": block_domains, "ablation_demo": block_ablation_demo,
     "ablation_large": block_ablation_large, "ablation_nobf": block_ablation_nobf,
     "dpo_recipes": block_dpo_recipes, "gpu_mfu": block_gpu_mfu,
     "serve_load": block_serve_load, "mix_driver": block_mix_driver,
-    "dedup_driver": block_dedup_driver}
+    "dedup_driver": block_dedup_driver, "tb_projection": block_tb_projection,
+    "ray_cluster": block_ray_cluster}
 
 
 def plan_output(m: re.Match) -> str:
