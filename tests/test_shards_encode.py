@@ -141,9 +141,34 @@ def test_tasks_come_from_metadata(corpus):
 
 
 def test_chunk_size_gives_every_worker_work():
-    assert split_chunk_chars(10**9, 2) == CHUNK_CHARS
-    assert split_chunk_chars(4 * 10**6, 8) == 4 * 10**6 // 16  # 16 tasks for 8 workers
+    assert split_chunk_chars(10**12, 512) == CHUNK_CHARS
+    per = encode.TASKS_PER_WORKER
+    assert split_chunk_chars(4 * 10**7, 8) == 4 * 10**7 // (per * 8)  # tasks for 8 workers
     assert split_chunk_chars(1000, 2) == MIN_CHUNK_CHARS  # tiny splits: one small task
+
+
+def test_a_terabyte_makes_tens_of_thousands_of_pieces_not_millions():
+    """Each task writes two piece files: the count a terabyte of text makes."""
+    tasks = 10**12 / split_chunk_chars(10**12, 512)
+    assert 5_000 < tasks < 50_000
+
+
+@pytest.mark.parametrize("limit", [1, 7, 50, 10**9])
+def test_encode_batches_cover_every_row_once_in_order(limit):
+    rng = np.random.default_rng(limit)
+    nbytes = rng.integers(0, 30, 200).astype(np.uint64)
+    batches = encode.encode_batches(nbytes, limit)
+    assert [lo for lo, _ in batches] == [0] + [hi for _, hi in batches[:-1]]
+    assert batches[-1][1] == 200 and all(lo < hi for lo, hi in batches)
+    for lo, hi in batches:  # only a batch's first row takes it past the limit
+        assert nbytes[lo + 1 : hi].sum() < limit
+    assert encode.encode_batches(np.zeros(0, np.uint64), limit) == [(0, 0)]
+
+
+def test_encoding_in_small_batches_changes_nothing(corpus, monkeypatch):
+    whole = concat(encode_rows(t) for t in tasks_for(corpus))
+    monkeypatch.setattr(encode, "ENCODE_BATCH_CHARS", 40)  # a few documents a batch
+    assert concat(encode_rows(t) for t in tasks_for(corpus)) == whole
 
 
 def test_planner_cuts_finer_for_more_workers(corpus):

@@ -1,7 +1,7 @@
 """The shards stage's tasks: each encodes a row range of one Parquet part, wherever it runs.
 
 The driver only plans and writes. It cuts every part into row ranges of about
-``CHUNK_CHARS`` characters from the Parquet metadata alone (no text read), and hands
+``CHUNK_CHARS`` characters (fewer for a small split) from the Parquet metadata alone (no text read), and hands
 :class:`RowsTask` s to an executor (:mod:`lmforge.executor`: this machine's process pool
 or a Ray cluster). Each task, :func:`encode_rows`, reads its own rows, encodes them on
 one thread (either tokenizer backend) and sends back a compact numpy array; results come back in task
@@ -31,13 +31,19 @@ from lmforge.io import atomic_path
 from lmforge.tokenizer import Tokenizer
 from lmforge.tokenizer.corpus import check_strings, open_columns
 
-# ~0.2 s of encoding on one core: enough to hide a task's start-up (opening the part,
-# reading up to its rows), small enough that a few tasks per worker keep every core busy
-# to the end. Measured, as the planner sees it, in uncompressed bytes of the text column
-# (UTF-8 plus a 4-byte length per document): characters for ASCII text, fewer for CJK.
-CHUNK_CHARS = 1 << 20
+# A task's text (~9 s of encoding on one core): a task writes two piece files, so at a
+# terabyte ~15,000 tasks and ~30,000 files (1 MiB made ~1.9 million, the most files of
+# any stage), enough waves for 512 cores. Measured, as the planner sees it, in
+# uncompressed bytes of the text column (UTF-8 plus a 4-byte length per document):
+# characters for ASCII text, fewer for CJK. A smaller split is cut finer, so that every
+# worker gets TASKS_PER_WORKER tasks (the fast ones make up for the slow at the end).
+CHUNK_CHARS = 1 << 26
+TASKS_PER_WORKER = 8
 # The smallest task the planner makes when it cuts finer to give every worker work.
 MIN_CHUNK_CHARS = 1 << 16
+# A task encodes its rows in batches of about this much text: the tokenizer's Python
+# lists of ids (~36 bytes a token) stay ~10 MB whatever the task's size.
+ENCODE_BATCH_CHARS = 1 << 20
 # Rows per Parquet read batch inside a task.
 READ_ROWS = 128
 
@@ -102,8 +108,10 @@ def cut_rows(groups: list[tuple[int, int]], chunk_chars: int) -> list[tuple[int,
 
 def split_chunk_chars(total_bytes: int, workers: int) -> int:
     """Task size for a split of ``total_bytes``: ``CHUNK_CHARS``, or smaller (down to
-    ``MIN_CHUNK_CHARS``) so that a small split still gives every worker two tasks."""
-    return int(min(CHUNK_CHARS, max(MIN_CHUNK_CHARS, total_bytes // max(2 * workers, 1))))
+    ``MIN_CHUNK_CHARS``) so that a small split still gives every worker
+    ``TASKS_PER_WORKER`` tasks."""
+    return int(min(CHUNK_CHARS, max(MIN_CHUNK_CHARS,
+                                    total_bytes // max(TASKS_PER_WORKER * workers, 1))))
 
 
 def plan_tasks(parts: list[Path], model: str | Path, model_sha256: str, add_bos: bool,
@@ -250,10 +258,24 @@ def encode_rows(task: RowsTask) -> EncodedChunk:
         raise InputError(f"{task.path}: row {task.lo + i}: domain {domain[i].as_py()!r} was "
                          "not in the part when the run began (changed during the run?)")
     tok = load_model(task.model, task.model_sha256)
-    tokens, lengths = tok.encode_arrays(text.to_pylist(), task.add_bos, task.add_eos,
-                                        np.dtype(task.dtype))
     nbytes = _ints(pc.binary_length(text)).astype(np.uint64)
-    return EncodedChunk(tokens, lengths, nbytes, codes.astype(np.uint16))
+    tokens, lengths = [], []
+    for lo, hi in encode_batches(nbytes, ENCODE_BATCH_CHARS):
+        ids, n = tok.encode_arrays(text.slice(lo, hi - lo).to_pylist(), task.add_bos,
+                                   task.add_eos, np.dtype(task.dtype))
+        tokens.append(ids)
+        lengths.append(n)
+    return EncodedChunk(np.concatenate(tokens), np.concatenate(lengths), nbytes,
+                        codes.astype(np.uint16))
+
+
+def encode_batches(nbytes: np.ndarray, limit: int) -> list[tuple[int, int]]:
+    """Row ranges ``[lo, hi)`` covering every row once, in order, a new one starting at
+    each row that takes the running text bytes past a multiple of ``limit`` (so a batch
+    holds less than ``limit`` besides its first row); one empty range for no rows."""
+    k = np.cumsum(nbytes, dtype=np.int64) // max(limit, 1)
+    bounds = [0, *(np.flatnonzero(np.diff(k)) + 1).tolist(), len(nbytes)]
+    return list(itertools.pairwise(bounds)) if len(nbytes) else [(0, 0)]
 
 
 # ----------------------------------------------------------------------- pieces
