@@ -133,7 +133,7 @@ def markdown(found: dict) -> str:
     top = str(scales[-1])
     # This code's default run grows by its row-group buffer up to 1Mi rows, then not: its
     # projection is the small row groups' growth plus that fixed buffer.
-    per_doc = {rev: growth_per_doc(by[top], by[str(scales[0])]) for rev, by in rows.items()
+    per_doc = {rev: growth_per_doc(by[top], by[str(scales[-2])]) for rev, by in rows.items()
                if rev != next(iter(results)) or not found.get("small_row_groups")}
     rev, by = next(iter(results.items()))  # this checkout's code (the baseline is after it)
     files_per_part = by[top]["intermediate_files"] / by[top]["parts"]

@@ -135,8 +135,10 @@ def same_tree(a: Path, b: Path) -> bool:
 
 
 def growth_per_doc(r: dict[str, Any], first: dict[str, Any]) -> float | None:
-    """What the driver adds per document from the first scale's run ``first`` to ``r``:
-    its heap's peak plus Arrow's pool's peak (tracemalloc cannot see Arrow's)."""
+    """What the driver adds per document from the smaller scale's run ``first`` to
+    ``r``: its heap's peak plus Arrow's pool's peak (tracemalloc cannot see Arrow's).
+    Taken from the scale before (x10 to x30), not from x1: a fixed block (a batch read
+    at once, a row group) that x1 does not fill would look like growth."""
     if r["docs"] == first["docs"]:
         return None
     held = r["peak_bytes"] + r["arrow_peak_bytes"]
@@ -151,7 +153,8 @@ def report(results: dict[str, dict[int, dict]], scales: list[int]) -> None:
     for rev, by_scale in results.items():
         for s in scales:
             r = by_scale[s]
-            r["growth_bytes_per_doc"] = grow = growth_per_doc(r, by_scale[scales[0]])
+            before = by_scale[scales[max(0, scales.index(s) - 1)]]
+            r["growth_bytes_per_doc"] = grow = growth_per_doc(r, before)
             print(f"{rev:<10} x{s:<4} {r['docs']:>8} {r['peak_bytes'] / 2**20:>13.1f} "
                   f"{grow if grow is not None else float('nan'):>12.1f} "
                   f"{r['arrow_peak_bytes'] / 2**20:>14.1f} "
@@ -192,13 +195,13 @@ def _at_scale(by_scale: dict, s: int) -> dict[str, Any]:
 def table_lines(results: dict[str, dict], scales: list[int]) -> list[str]:
     """A driver bench's table: per revision and scale, heap peak, Arrow peak, growth per
     document (both), intermediate files, wall (bench_dedup_driver.py's too)."""
-    lines = ["| code | scale | documents | driver heap at peak | added per document "
-             "(heap + Arrow) | Arrow pool peak | intermediate files | wall |",
+    lines = ["| code | scale | documents | driver heap at peak | added per document since "
+             "the scale before (heap + Arrow) | Arrow pool peak | intermediate files | wall |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for rev, by_scale in results.items():
         for s in scales:
             r = _at_scale(by_scale, s)
-            grow = growth_per_doc(r, _at_scale(by_scale, scales[0]))
+            grow = growth_per_doc(r, _at_scale(by_scale, scales[max(0, scales.index(s) - 1)]))
             lines.append(f"| {rev} | x{s} | {r['docs']:,} | {r['peak_bytes'] / 2**20:.1f} MiB | "
                          + (f"{grow:,.0f} B" if grow is not None else "-")
                          + f" | {r['arrow_peak_bytes'] / 2**20:.1f} MiB | "
@@ -219,10 +222,7 @@ def markdown(found: dict[str, Any]) -> str:
     growth per document comes to at 1 TB."""
     scales, results = found["scales"], found["results"]
     lines = table_lines(results, scales)
-    first = next(iter(results.values()))
-    top = str(scales[-1]) if str(scales[-1]) in first else scales[-1]
-    per_doc = {rev: growth_per_doc(by[top], by[str(scales[0]) if str(scales[0]) in by
-                                               else scales[0]])
+    per_doc = {rev: growth_per_doc(_at_scale(by, scales[-1]), _at_scale(by, scales[-2]))
                for rev, by in results.items()}
     tb = projection()
     lines += ["", f"At 1 TB ({TB_DOCS / 1e8:.2f} × 10⁸ documents): the driver adds "

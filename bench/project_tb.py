@@ -9,9 +9,9 @@ bounded blocks a stage reads or writes at once, which x1 does not fill) cancel o
   text; every stage is charged the full terabyte (an upper bound: filter and dedup shrink
   what the later stages read);
 * the driver's serial time: its own CPU seconds on Ray (the workers are not its
-  children), per byte of text. All of it is counted as serial, though some overlaps the
-  tasks, and at the demo's 500-document parts it pays per task ~40x more often than at
-  1 TB's parts: an upper bound;
+  children) per task, times the tasks at 1 TB (the tasks per unit of work measured, see
+  files below), plus dedup's union-find per document (``driver_rates``). All of it is
+  counted as serial, though some overlaps the tasks: an upper bound;
 * storage traffic: bytes read and written through system calls by the driver and its
   pool's workers (``rchar`` + ``wchar``), per byte of text;
 * the driver's memory: its heap (tracemalloc) plus Arrow's pool at the stage's peak, per
@@ -19,14 +19,15 @@ bounded blocks a stage reads or writes at once, which x1 does not fill) cancel o
   whose run with small clusters.parquet row groups separates what grows with the corpus
   from the one row group (1Mi rows) the driver buffers;
 * intermediate files: those seen as each map starts (bench_data_scale.py's FileWatch),
-  per unit of work (an input file for ingest, an input part for the others), times the
-  units at 1 TB; mix's from its planning budgets (``bench_mix_driver.projection``),
-  which do not grow with parts.
+  per unit of work (an input file for ingest, a task for shards, an input part for the
+  others), times the units at 1 TB (shards: a task per ``CHUNK_CHARS`` of text); mix's
+  from its planning budgets (``bench_mix_driver.projection``), which do not grow with
+  parts.
 
 The cluster (assumptions, each a constant below): nodes of 64 cores; storage that every
-node reaches at 1.25 GB/s (10 GbE to object storage or a parallel file system, so the
-aggregate grows with the nodes), or, for comparison, one shared 2 GB/s filer as the
-earlier projection assumed; 10,000 file operations a second of metadata (3 per file:
+node reaches at 3.125 GB/s (the 25 Gbit/s NIC of a 64-core cloud VM, to object storage or
+a parallel file system, so the aggregate grows with the nodes), or, for comparison, one
+shared 2 GB/s filer as the earlier projection assumed; 10,000 file operations a second of metadata (3 per file:
 create, open, remove); parts of 64 MiB of Parquet (``ingest.part_docs`` set to match) and
 input files of 1 GB of gzip. A stage takes max(compute / cores, traffic / bandwidth,
 file operations / rate) + the driver's serial time + one task's time (the last wave).
@@ -50,7 +51,7 @@ if str(BENCH) not in sys.path:  # its sibling benches, when loaded by path (demo
 STAGES = ("ingest", "filter", "dedup", "decontam", "mix", "shards")
 TB_TEXT = 1e12  # bytes of document text
 CORES_PER_NODE = 64
-NODE_BANDWIDTH = 1.25e9  # bytes/s each node reads and writes storage at (10 GbE)
+NODE_BANDWIDTH = 3.125e9  # bytes/s each node reads and writes storage at (25 Gbit/s)
 FILER_BANDWIDTH = 2e9  # one shared filer, the earlier projection's storage
 FILE_OPS = 10_000  # metadata operations a second
 OPS_PER_FILE = 3  # create, open, remove
@@ -83,6 +84,17 @@ def _per_byte(r: dict[str, Any], stage: str, kind: str, *keys: str) -> float:
                   r["inputs"][str(n)][stage][1], r["inputs"][str(lo)][stage][1])
 
 
+def _per_task(r: dict[str, Any], stage: str) -> float:
+    """The Ray driver's CPU seconds per task it ran, from the middle scale to the largest
+    (least over rounds): what the driver spends submitting a task and taking its result
+    back (its per-document work, where it has any, is counted apart)."""
+    n, lo = r["copies"], r["scales"][-2]
+    return _slope(_least(r, n, "ray", stage, "driver_cpu_s"),
+                  _least(r, lo, "ray", stage, "driver_cpu_s"),
+                  _runs(r, n, "ray")[0]["stages"][stage]["tasks"],
+                  _runs(r, lo, "ray")[0]["stages"][stage]["tasks"])
+
+
 def _held_per_doc(r: dict[str, Any], stage: str) -> float:
     """What the traced driver holds at the stage's peak (heap + Arrow), per document
     added from the middle scale to the largest."""
@@ -103,12 +115,16 @@ def stage_rates(r: dict[str, Any], dedup: dict[str, Any] | None) -> dict[str, di
     out = {}
     for stage in STAGES:
         local = _runs(r, r["copies"], "local")[0]["stages"][stage]
+        # The unit of work: an input file (ingest), a part, or for shards a task (as many
+        # at 1 TB as CHUNK_CHARS of text make)
+        unit = local["tasks"] if stage == "shards" else r["task_units"][n][stage]
         out[stage] = {
             "core_s_per_byte": _per_byte(r, stage, "local", "wall_s") * r["cores"],
-            "driver_s_per_byte": _per_byte(r, stage, "ray", "driver_cpu_s"),
+            "driver_s_per_task": _per_task(r, stage),
+            "tasks_per_unit": local["tasks"] / unit,
             "traffic_per_byte": _per_byte(r, stage, "local", "read_chars", "written_chars"),
             "bytes_per_doc": _held_per_doc(r, stage),
-            "files_per_unit": local["intermediate_files"] / r["task_units"][n][stage],
+            "files_per_unit": local["intermediate_files"] / unit,
         }
     if dedup:  # the small row groups' growth: what grows with the corpus
         small = dedup["small_row_groups"]
@@ -123,15 +139,21 @@ def terabyte(r: dict[str, Any], rates: dict[str, dict]) -> dict[str, dict]:
     """Per stage at 1 TB: core-seconds, driver seconds, traffic, files, one task's time."""
     from bench_mix_driver import projection as mix_projection
 
+    from lmforge.shards.encode import CHUNK_CHARS
+
     n = str(r["copies"])
     text = r["inputs"][n]["ingest"][1]
-    parquet_per_text = r["outputs_bytes"][n]["ingested"] / text
+    parquet_per_text = r["outputs_bytes"][n]["ingest"] / text
     text_per_gz = text / r["input_gz_bytes"][n]
     docs = TB_TEXT * r["inputs"][n]["ingest"][0] / text
     units = {s: math.ceil(TB_TEXT * parquet_per_text / PART_BYTES) for s in STAGES}
     units["ingest"] = math.ceil(TB_TEXT / text_per_gz / INPUT_FILE_BYTES)
+    units["shards"] = math.ceil(TB_TEXT / CHUNK_CHARS)  # its encoding tasks (see rates)
     task_text = {s: PART_BYTES / parquet_per_text for s in STAGES}
     task_text["ingest"] = INPUT_FILE_BYTES * text_per_gz
+    task_text["shards"] = CHUNK_CHARS
+    # The one driver step that is per document: dedup's union-find (measured on its own).
+    per_doc_ns = {"dedup": r["driver_rates"]["dedup_driver_ns_per_doc"]}
     out = {}
     for stage, m in rates.items():
         files = m["files_per_unit"] * units[stage]
@@ -139,11 +161,12 @@ def terabyte(r: dict[str, Any], rates: dict[str, dict]) -> dict[str, dict]:
             files = mix_projection()["files"]
         out[stage] = {
             "core_s": m["core_s_per_byte"] * TB_TEXT,
-            "driver_s": m["driver_s_per_byte"] * TB_TEXT,
+            "driver_s": m["driver_s_per_task"] * m["tasks_per_unit"] * units[stage]
+            + (per_doc_ns.get(stage, 0) * 1e-9 * docs),
             "traffic": m["traffic_per_byte"] * TB_TEXT,
             "driver_gb": m["bytes_per_doc"] * docs / 1e9,
             "files": files,
-            "outputs": units[stage] if stage != "ingest" else units["filter"],
+            "outputs": units["filter"],
             "task_s": m["core_s_per_byte"] * task_text[stage],
         }
     out["_"] = {"docs": docs, "parts": units["filter"], "input_files": units["ingest"],
@@ -193,8 +216,9 @@ def markdown(found: dict[str, Any], dedup: dict[str, Any] | None) -> str:
               f"max {max(m['bytes_per_doc'] for m in rates.values()):.0f} | "
               f"{sum(m['traffic_per_byte'] for m in rates.values()):.2f} | {files:,.0f} | | "
               f"{_hours(sum(at_top.values()))} |", "",
-              "| cores | wall, linear | projected, storage 1.25 GB/s a node | / linear | "
-              "held, $ | projected, one 2 GB/s filer | / linear |",
+              f"| cores | wall, linear | projected, storage at {NODE_BANDWIDTH / 1e9:g} GB/s "
+              f"a node of {CORES_PER_NODE} cores | / linear | held, $ | projected, one "
+              f"{FILER_BANDWIDTH / 1e9:g} GB/s filer | / linear |",
               "|---:|---:|---:|---:|---:|---:|---:|"]
     for cores in CORE_COUNTS:
         lin, node = linear(tb, cores), sum(wall(tb, cores).values())
