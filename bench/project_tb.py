@@ -9,9 +9,10 @@ bounded blocks a stage reads or writes at once, which x1 does not fill) cancel o
   text; every stage is charged the full terabyte (an upper bound: filter and dedup shrink
   what the later stages read);
 * the driver's serial time: its own CPU seconds on Ray (the workers are not its
-  children) per task, times the tasks at 1 TB (the tasks per unit of work measured, see
-  files below), plus dedup's union-find per document (``driver_rates``). All of it is
-  counted as serial, though some overlaps the tasks: an upper bound;
+  children) per task at x30, fixed costs included, times the tasks at 1 TB (the tasks per
+  unit of work measured, see files below), plus dedup's union-find per document
+  (``driver_rates``). All of it is counted as serial, though some overlaps the tasks: an
+  upper bound;
 * storage traffic: bytes read and written through system calls by the driver and its
   pool's workers (``rchar`` + ``wchar``), per byte of text;
 * the driver's memory: its heap (tracemalloc) plus Arrow's pool at the stage's peak, per
@@ -85,14 +86,14 @@ def _per_byte(r: dict[str, Any], stage: str, kind: str, *keys: str) -> float:
 
 
 def _per_task(r: dict[str, Any], stage: str) -> float:
-    """The Ray driver's CPU seconds per task it ran, from the middle scale to the largest
-    (least over rounds): what the driver spends submitting a task and taking its result
-    back (its per-document work, where it has any, is counted apart)."""
-    n, lo = r["copies"], r["scales"][-2]
-    return _slope(_least(r, n, "ray", stage, "driver_cpu_s"),
-                  _least(r, lo, "ray", stage, "driver_cpu_s"),
-                  _runs(r, n, "ray")[0]["stages"][stage]["tasks"],
-                  _runs(r, lo, "ray")[0]["stages"][stage]["tasks"])
+    """The Ray driver's CPU seconds per task at the largest scale (least over rounds):
+    all it spent in the stage over the tasks it ran, its fixed costs included, so an
+    upper bound of what submitting a task and taking its result back costs (a slope
+    between scales would not do: shards cuts a small split into a fixed number of
+    tasks)."""
+    n = r["copies"]
+    return (_least(r, n, "ray", stage, "driver_cpu_s")
+            / _runs(r, n, "ray")[0]["stages"][stage]["tasks"])
 
 
 def _held_per_doc(r: dict[str, Any], stage: str) -> float:

@@ -175,6 +175,24 @@ def test_ingest_checks_ids_on_ray_as_the_local_pool_does(ray_cluster, tmp_path):
     assert tree(tmp_path / "ray") == tree(tmp_path / "local")
 
 
+def test_a_slow_task_holds_back_its_results_not_the_cluster(ray_cluster, tmp_path):
+    """The first task sleeps while fifteen short ones come after it (2 slots): they all
+    start while it runs (the old window of 2 a slot waited for the oldest task before
+    starting a fifth), and the results still come back in task order."""
+    def task(i: int, sleep: float) -> list[str]:  # run by subprocess.check_output
+        return ["sh", "-c", f"date +%s.%N > {tmp_path}/start-{i}; sleep {sleep}; "
+                            f"date +%s.%N > {tmp_path}/end-{i}; echo {i}"]
+
+    tasks = [task(0, 3.0)] + [task(i, 0.05) for i in range(1, 16)]
+    out = list(RayExecutor(ExecutorConfig("ray")).map(subprocess.check_output, tasks))
+    assert [int(o) for o in out] == list(range(16))
+
+    def at(name: str) -> float:
+        return float((tmp_path / name).read_text())
+
+    assert max(at(f"start-{i}") for i in range(1, 16)) < at("end-0")
+
+
 def test_a_task_error_reaches_the_driver_as_raised(ray_cluster, tmp_path):
     """A corrupt part raises InputError inside the task: the same one line as locally."""
     (tmp_path / "in").mkdir()

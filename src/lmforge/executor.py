@@ -176,8 +176,17 @@ def check_reachable(address: str, timeout: float = 5.0) -> None:
                             f"{e.strerror or e}") from None
 
 
+_END = object()
+# Ray's tasks a slot (a worker's CPUs): running or queued, and finished but not yet taken
+# in order. Two keep every slot busy; the second bound keeps the results waiting behind
+# a slow task (in Ray's object store) to a few a slot.
+RUNNING_PER_SLOT = 2
+HELD_PER_SLOT = 8
+
+
 class RayExecutor(Executor):
-    """One Ray task per item, at most ``2 x`` the cluster's task slots in flight."""
+    """One Ray task per item, at most ``RUNNING_PER_SLOT`` a slot of the cluster
+    running or queued; results in task order."""
 
     name = "ray"
 
@@ -207,23 +216,36 @@ class RayExecutor(Executor):
         return opts
 
     def _run(self, fn: Callable[[T], R], tasks: list[T]) -> Iterator[R]:
+        """Results in task order; a new task starts whenever one finishes, not when the
+        oldest does, so a slow task holds back only the results after it, not the
+        cluster (``RUNNING_PER_SLOT`` tasks a slot running or queued, and at most
+        ``HELD_PER_SLOT`` a slot finished and waiting for their turn)."""
         ray = self.ray
         remote = ray.remote(_in_dir).options(name=getattr(fn, "__name__", "task"),
                                              **self._options())
-        cwd = os.getcwd()
-        limit = 2 * self.workers  # enough queued to keep every slot busy, memory bounded
-        pending: deque = deque()
-        it = iter(tasks)
-        for task in it:
-            pending.append(remote.remote(cwd, fn, task))
-            if len(pending) >= limit:
-                break
-        while pending:
-            ref = pending.popleft()
-            yield self._get(ref, fn)
-            for task in it:
-                pending.append(remote.remote(cwd, fn, task))
-                break
+        cwd, it = os.getcwd(), iter(tasks)
+        running_cap = RUNNING_PER_SLOT * self.workers
+        held_cap = HELD_PER_SLOT * self.workers
+        order: deque = deque()  # every task started and not yet yielded, in task order
+        running: set = set()  # those not seen finished
+
+        def start_more() -> None:
+            while len(running) < running_cap and len(order) < held_cap:
+                task = next(it, _END)
+                if task is _END:
+                    return
+                ref = remote.remote(cwd, fn, task)
+                order.append(ref)
+                running.add(ref)
+
+        start_more()
+        while order:
+            if order[0] in running:  # wait for any task, not only the oldest
+                done, _ = ray.wait(list(running), num_returns=1)
+                running.difference_update(done)
+            else:
+                yield self._get(order.popleft(), fn)
+            start_more()
 
     def _get(self, ref: Any, fn: Callable) -> Any:
         ray = self.ray
