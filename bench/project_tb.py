@@ -227,7 +227,25 @@ def markdown(found: dict[str, Any], dedup: dict[str, Any] | None) -> str:
         lines.append(f"| {cores} | {_hours(lin)} | {_hours(node)} | {node / lin:.2f} | "
                      f"{node / 3600 * cores * DOLLARS_PER_CORE_HOUR:.2f} | {_hours(filer)} | "
                      f"{filer / lin:.2f} |")
+    lin, node = linear(tb, top), sum(at_top.values())
+    worst = max(rates, key=lambda st: rates[st]["bytes_per_doc"])
+    lines += ["", f"Against issue 47's asks at {top} cores: wall {node / lin:.2f}x linear "
+              f"(asked <= {TARGETS['ratio']}), the driver's memory at most "
+              f"{rates[worst]['bytes_per_doc']:.0f} B a document ({worst}; asked <= "
+              f"{TARGETS['bytes_per_doc']}), intermediate files {files:,.0f} a terabyte "
+              f"(asked < {TARGETS['files']:,.0f}).", "", _per_core_line(found)]
     return "\n".join(lines)
+
+
+def _per_core_line(r: dict[str, Any]) -> str:
+    """Per stage, the baseline's Ray seconds over this code's at the largest scale, in
+    the same run (best of the rounds): the issue's "per-core throughput not lower"."""
+    n = r["copies"]
+    ratios = [f"{st} {_least(r, n, 'ray@base', st, 'wall_s') / _least(r, n, 'ray', st, 'wall_s'):.2f}"
+              for st in STAGES]
+    return (f"Throughput against the code before issue 47 ({r['baseline']}), same run, Ray, "
+            f"x{n}, its seconds / this code's (best of {r['rounds']}): " + ", ".join(ratios)
+            + ".")
 
 
 def main() -> None:
