@@ -177,9 +177,9 @@ def check_reachable(address: str, timeout: float = 5.0) -> None:
 
 
 _END = object()
-# Ray's tasks a slot (a worker's CPUs): running or queued, and finished but not yet taken
-# in order. Two keep every slot busy; the second bound keeps the results waiting behind
-# a slow task (in Ray's object store) to a few a slot.
+# Ray's tasks a slot (a worker's CPUs): running or queued; and started but not yet taken
+# in order, finished ones included. Two keep every slot busy; the second bound keeps the
+# results waiting behind a slow task (in Ray's object store) to a few a slot.
 RUNNING_PER_SLOT = 2
 HELD_PER_SLOT = 8
 
@@ -219,7 +219,8 @@ class RayExecutor(Executor):
         """Results in task order; a new task starts whenever one finishes, not when the
         oldest does, so a slow task holds back only the results after it, not the
         cluster (``RUNNING_PER_SLOT`` tasks a slot running or queued, and at most
-        ``HELD_PER_SLOT`` a slot finished and waiting for their turn)."""
+        ``HELD_PER_SLOT`` a slot started and not yet taken, finished ones waiting for
+        their turn included)."""
         ray = self.ray
         remote = ray.remote(_in_dir).options(name=getattr(fn, "__name__", "task"),
                                              **self._options())
