@@ -137,7 +137,8 @@ def stage_rates(r: dict[str, Any], dedup: dict[str, Any] | None) -> dict[str, di
 
 
 def terabyte(r: dict[str, Any], rates: dict[str, dict]) -> dict[str, dict]:
-    """Per stage at 1 TB: core-seconds, driver seconds, traffic, files, one task's time."""
+    """Per stage at 1 TB: core-seconds, driver seconds, traffic, files, outputs, one task's
+    time; and under ``"_"`` the documents, parts and input files of a terabyte."""
     from bench_mix_driver import projection as mix_projection
 
     from lmforge.shards.encode import CHUNK_CHARS
@@ -165,13 +166,11 @@ def terabyte(r: dict[str, Any], rates: dict[str, dict]) -> dict[str, dict]:
             "driver_s": m["driver_s_per_task"] * m["tasks_per_unit"] * units[stage]
             + (per_doc_ns.get(stage, 0) * 1e-9 * docs),
             "traffic": m["traffic_per_byte"] * TB_TEXT,
-            "driver_gb": m["bytes_per_doc"] * docs / 1e9,
             "files": files,
             "outputs": units["filter"],
             "task_s": m["core_s_per_byte"] * task_text[stage],
         }
-    out["_"] = {"docs": docs, "parts": units["filter"], "input_files": units["ingest"],
-                "parquet_per_text": parquet_per_text}
+    out["_"] = {"docs": docs, "parts": units["filter"], "input_files": units["ingest"]}
     return out
 
 
