@@ -15,18 +15,21 @@ and a resumed run continues in the dtype it started with (bit-identical resume),
 a machine that would choose otherwise; a checkpoint from before the option carries none
 and resumes in bfloat16, the dtype it was written with.
 
-In float32 a wide-enough matrix (cols >= 1.6 rows, after turning it wide) is orthogonalised
-by the Gram form of the same iteration (:func:`gram_newton_schulz`): it iterates on the
-small square X X^T instead of the wide X, fewer multiply-adds for the same polynomial.
-bfloat16 keeps torch's form everywhere: the Gram form is unstable there.
+On a CPU, float32 evaluates the same polynomial by the spectral form
+(:func:`spectral_newton_schulz`): one symmetric eigendecomposition of the small Gram
+matrix X X^T and the iteration's scalar recurrence on its eigenvalues, instead of fifteen
+matmuls; and the step orthogonalises its matrices side by side, one core each
+(:func:`orthogonalize_all`). bfloat16 keeps torch's iteration everywhere.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -38,12 +41,8 @@ LEGACY_NS_DTYPE = "bfloat16"  # what torch.optim.Muon always used
 PROBE_MAX_SIDE = 1024  # the probe's matrix is the model's, capped to this per side
 PROBE_ROUNDS = 7  # each dtype's fastest round counts
 BF16_MARGIN = 0.8  # bf16 only when its probe takes at most this share of float32's
+_T = TypeVar("_T")
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-# Gram Newton-Schulz (float32 only): rebuild X and its Gram matrix after this many
-# iterations (accuracy, see gram_newton_schulz), and use the Gram form only on matrices
-# at least this much wider than tall (it breaks even at 1.5 in multiply-adds).
-GRAM_RESTART_EVERY = 3
-GRAM_MIN_ASPECT = 1.6
 
 
 def orthogonalize(update: Tensor, dtype: torch.dtype, coefficients: tuple[float, ...]
@@ -53,19 +52,17 @@ def orthogonalize(update: Tensor, dtype: torch.dtype, coefficients: tuple[float,
 
     Works on the wide orientation (rows <= cols), so the Gram matrix is the small one,
     and scales by the Frobenius norm first so the spectral norm is at most 1. In
-    bfloat16 it is operation for operation torch.optim.Muon's. In float32, a matrix
-    wide enough for the Gram form to take fewer multiply-adds (:func:`use_gram_form`)
-    takes it: the same polynomial of the same matrix, rounded differently.
+    bfloat16 it is operation for operation torch.optim.Muon's. In float32 on a CPU it
+    takes the spectral form (:func:`spectral_orthogonalize`): the same polynomial of
+    the same matrix, evaluated another way.
     """
+    if use_spectral_form(update.device, dtype):
+        return spectral_orthogonalize(update.to(dtype), coefficients, steps, eps)
     x = update.to(dtype)
     tall = update.size(0) > update.size(1)
     if tall:
         x = x.T
-    x = x / x.norm().clamp(min=eps)
-    if use_gram_form(x.size(0), x.size(1), dtype, steps):
-        x = gram_newton_schulz(x, coefficients, steps)
-    else:
-        x = newton_schulz(x, coefficients, steps)
+    x = newton_schulz(x / x.norm().clamp(min=eps), coefficients, steps)
     return x.T if tall else x
 
 
@@ -80,66 +77,129 @@ def newton_schulz(x: Tensor, coefficients: tuple[float, ...], steps: int) -> Ten
     return x
 
 
-def gram_newton_schulz(x: Tensor, coefficients: tuple[float, ...], steps: int,
-                       restart_every: int = GRAM_RESTART_EVERY) -> Tensor:
-    """The same iterations as :func:`newton_schulz` on the wide, normalised ``x``
-    (m x n, m <= n), computed on its m x m Gram matrix ("Gram Newton-Schulz": Zhang,
-    Amsel, Chen and Dao, 2026, who rebuild after two iterations in half precision).
+def spectral_orthogonalize(update: Tensor, coefficients: tuple[float, ...] = NS_COEFFICIENTS,
+                           steps: int = NS_STEPS, eps: float = 1e-7) -> Tensor:
+    """What :func:`orthogonalize` computes by :func:`newton_schulz` (normalise by the
+    Frobenius norm, iterate on the wide orientation), through one eigendecomposition.
 
-    Each iteration is X_{k+1} = p(G_k) X_k with G_k = X_k X_k^T and p(G) = a I + b G +
-    c G^2, so X_k = Q_k X_0 with Q_k = p(G_{k-1}) ... p(G_0); and as p(G_k) commutes with
-    G_k, G_{k+1} = p(G_k) G_k p(G_k). Iterating on G and Q (m x m) and multiplying by the
-    m x n X once at the end replaces the two m x m x n matmuls of each iteration by three
-    m x m x m ones (:func:`gram_is_cheaper`). Rounding errors in G grow by ~a^2 (~12x) per
-    iteration on its small eigenvalues, which X X^T recomputed each time does not
-    suffer: every ``restart_every`` iterations X is rebuilt (X <- Q X) and G recomputed
-    from it. In float32 with 5 iterations, one rebuild after the third (measured with
-    Keller Jordan's coefficients: a rebuild after the second errs 4x more) keeps the result
-    within a few times the standard iteration's own float32 error, even for singular
-    values down to 1e-6 (tests/test_muon_gram.py); bf16 has no such margin.
+    Each iteration multiplies X by a polynomial of G = X X^T, and every such polynomial
+    shares G's eigenvectors: with G = V diag(lambda) V^T, ``steps`` iterations make
+    X -> V diag(h(lambda)) V^T X, where h is the iteration's gain on a singular value
+    sqrt(lambda) (:func:`newton_schulz_gains`). So the fifteen matmuls of five
+    iterations become G, one symmetric eigendecomposition (LAPACK's syevd) and two
+    matmuls: on one core of an AVX2 CPU 4.1 ms against 5.0 for a 256 x 256 matrix, 5.2
+    against 8.4 (the Gram iteration) for 256 x 704; 41 against 71 ms for 768 x 768 on
+    two (bench/RESULTS.md "Spectral Newton-Schulz"). The Frobenius norm is G's trace:
+    the normalisation is folded into the eigenvalues and the gains, no pass over X.
+
+    Rounding: G squares the condition number, so a singular value far below the
+    largest is resolved worse than by the iteration on X in float32 (5e-3 relative
+    error against float64 on the demo's real updates, against 4e-6), yet ten times
+    better than torch's bfloat16 iteration that Muon runs on GPUs (5e-2). An
+    eigendecomposition that does not converge (a non-finite update) falls back to the
+    iteration, which carries the NaN on to the step's guard as before.
+    """
+    tall = update.size(0) > update.size(1)
+    x = update.T if tall else update
+    gram = x @ x.T
+    try:
+        eigenvalues, vectors = torch.linalg.eigh(gram)
+    except torch.linalg.LinAlgError:
+        out = newton_schulz(x / x.norm().clamp(min=eps), coefficients, steps)
+        return out.T if tall else out
+    eigenvalues = eigenvalues.double()
+    norm2 = eigenvalues.sum().clamp(min=eps * eps)  # ||X||_F^2 = trace(G)
+    gains = newton_schulz_gains(eigenvalues / norm2, coefficients, steps) / norm2.sqrt()
+    q = (vectors * gains.to(x.dtype)) @ vectors.T
+    return update @ q if tall else q @ x  # a tall update's X^T Q: already upright
+
+
+def newton_schulz_gains(eigenvalues: Tensor, coefficients: tuple[float, ...],
+                        steps: int) -> Tensor:
+    """h(lambda): the factor ``steps`` iterations multiply a singular value
+    sigma = sqrt(lambda) by, one per eigenvalue lambda of X X^T (float64).
+
+    One iteration maps sigma to sigma (a + b sigma^2 + c sigma^4), so with s = sigma^2
+    the gain is m = a + b s + c s^2, and the next iteration sees s m^2. A polynomial in
+    s: the eigenvalues rounding puts a hair below zero are clamped to the zero they
+    stand for.
     """
     a, b, c = coefficients
-    gram, q = x @ x.T, None
-    for i in range(steps):
-        if q is not None and i % restart_every == 0:  # a rebuild: X <- Q X, G <- X X^T
-            x = q @ x
-            gram, q = x @ x.T, None
-        z = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2 = p(G) - a I
-        if q is None:
-            q = z.clone()
-            q.diagonal().add_(a)  # Q = p(G)
-        else:
-            q = torch.addmm(q, q, z, beta=a)  # Q p(G): polynomials of one G commute
-        if i + 1 < steps and (i + 1) % restart_every != 0:  # G is needed next
-            gp = torch.addmm(gram, gram, z, beta=a)  # G p(G)
-            gram = torch.addmm(gp, z, gp, beta=a)  # p(G) G p(G)
-    return q @ x
+    s = eigenvalues.double().clamp(min=0)
+    gain = torch.ones_like(s)
+    for _ in range(steps):
+        m = a + s * (b + c * s)
+        gain *= m
+        s *= m * m
+    return gain
 
 
-def gram_is_cheaper(rows: int, cols: int, steps: int,
-                    restart_every: int = GRAM_RESTART_EVERY) -> bool:
-    """Whether :func:`gram_newton_schulz` takes fewer multiply-adds than
-    :func:`newton_schulz` on a wide ``rows`` x ``cols`` matrix.
+def use_spectral_form(device: torch.device, dtype: torch.dtype) -> bool:
+    """The spectral form in float32 on a CPU, where LAPACK's eigendecomposition is
+    cheaper than the iteration's matmuls. bfloat16 stays torch's iteration (to the bit);
+    a GPU's eigendecomposition is slow next to its matmuls."""
+    return dtype == torch.float32 and device.type == "cpu"
 
-    Standard: per iteration X X^T and p(A) X (2 m^2 n) and A^2 (m^3). Gram, per segment
-    of L iterations between rebuilds: G = X X^T and Q X (2 m^2 n), L products G^2,
-    L - 1 updates of Q and 2 (L - 1) of G ((4 L - 3) m^3). With k segments the Gram form
-    saves 2 (steps - k) m^2 n and costs 3 (steps - k) m^3 more: cheaper exactly when
-    n > 1.5 m, whatever the steps and rebuilds (and never with one iteration a
-    segment). :data:`GRAM_MIN_ASPECT` asks a little more: timed one by one under the AVX2
-    cap, the square matmuls run a little slower per multiply-add (break-even ~1.55).
+
+def orthogonalize_all(updates: list[Tensor], dtype: torch.dtype,
+                      coefficients: tuple[float, ...] = NS_COEFFICIENTS,
+                      steps: int = NS_STEPS, eps: float = 1e-7) -> list[Tensor]:
+    """:func:`orthogonalize` of each update, in order; side by side where
+    :func:`side_by_side` says."""
+    jobs = [functools.partial(orthogonalize, u, dtype, coefficients, steps, eps)
+            for u in updates]
+    return side_by_side(jobs, [u.shape for u in updates], dtype,
+                        updates[0].device if updates else torch.device("cpu"))
+
+
+def side_by_side(jobs: list[Callable[[], _T]], shapes: list[torch.Size], dtype: torch.dtype,
+                 device: torch.device) -> list[_T]:
+    """Each job's result, in order: one job per matrix of ``shapes``.
+
+    In the spectral form (float32 on a CPU) each job runs on one thread and the jobs are
+    spread over ``torch.get_num_threads()`` workers: an eigendecomposition gains little
+    from a second core (3.1 -> 2.1 ms at 256), a small matmul not all of it, while two
+    at once each keep a core busy. One thread a job also makes the result independent
+    of the thread count, bit for bit. Otherwise the jobs run here, one after another.
     """
-    segments = -(-steps // restart_every)
-    standard = steps * (2 * rows * rows * cols + rows ** 3)
-    gram = 2 * segments * rows * rows * cols + (4 * steps - 3 * segments) * rows ** 3
-    return gram < standard and cols >= GRAM_MIN_ASPECT * rows
+    if not use_spectral_form(device, dtype):
+        return [job() for job in jobs]
+    shares = _balanced_shares(shapes, torch.get_num_threads())
+    if len(shares) <= 1:  # one thread: here, in order
+        return [job() for job in jobs]
+    results = _worker_pool(len(shares)).map(lambda share: [jobs[i]() for i in share], shares)
+    out: dict[int, _T] = {}
+    for indices, values in zip(shares, results, strict=True):
+        out.update(zip(indices, values, strict=True))
+    return [out[i] for i in range(len(jobs))]
 
 
-def use_gram_form(rows: int, cols: int, dtype: torch.dtype, steps: int) -> bool:
-    """The Gram form for a wide ``rows`` x ``cols`` matrix: float32 only (bf16 is
-    torch.optim.Muon's to the bit, and the Gram form is unstable there), and only
-    where it is cheaper."""
-    return dtype == torch.float32 and gram_is_cheaper(rows, cols, steps)
+def _balanced_shares(shapes: list[torch.Size], workers: int) -> list[list[int]]:
+    """Indices of ``shapes`` in at most ``workers`` shares of near-equal cost, largest
+    first, each to the lightest share. The cost is the spectral form's in units of an
+    m x m x m matmul: ~9 for the eigendecomposition of the m x m Gram matrix (timed at
+    m = 256: 3.1 ms against 0.33), 1 for Q, 2 n / m for G and Q X."""
+    cost = [10 * min(s[0], s[1]) ** 3 + 2 * min(s[0], s[1]) ** 2 * max(s[0], s[1])
+            for s in shapes]
+    shares: list[list[int]] = [[] for _ in range(max(0, min(workers, len(shapes))))]
+    load = [0] * len(shares)
+    for i in sorted(range(len(shapes)), key=lambda i: -cost[i]):
+        k = load.index(min(load))
+        shares[k].append(i)
+        load[k] += cost[i]
+    return [sorted(share) for share in shares]
+
+
+@functools.lru_cache(maxsize=4)
+def _worker_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    """A process-wide pool of ``workers`` threads for :func:`side_by_side`, each set to
+    one intra-op thread once, when it starts. The setting is the thread's own (its
+    OpenMP ICV and MKL's thread-local count), so the caller's stays as it was; setting
+    it per step instead would also clear oneDNN's kernel cache each time (PyTorch's
+    ``set_num_threads`` does), which slowed the next bf16 step by a third."""
+    return concurrent.futures.ThreadPoolExecutor(
+        workers, thread_name_prefix="muon-ns", initializer=torch.set_num_threads,
+        initargs=(1,))
 
 
 def adjusted_lr(lr: float, adjust: str | None, shape: torch.Size) -> float:
@@ -175,17 +235,21 @@ class Muon(torch.optim.Muon):
                 loss = closure()
         for group in self.param_groups:
             dtype = _DTYPES[group.get("ns_dtype", LEGACY_NS_DTYPE)]
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group, dtype)
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:  # every state entry made here, not from the workers
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+            side_by_side([functools.partial(self._update, p, group, dtype) for p in params],
+                         [p.shape for p in params], dtype,
+                         params[0].device if params else torch.device("cpu"))
         return loss
 
+    @torch.no_grad()  # grad mode is per thread: a worker's is not the step's
     def _update(self, p: Tensor, group: dict, dtype: torch.dtype) -> None:
-        """Muon's update of one matrix ``p`` from its gradient and momentum buffer."""
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p.grad)
-        buf, momentum = state["momentum_buffer"], group["momentum"]
+        """Muon's update of one matrix ``p`` from its gradient and momentum buffer:
+        the buffer as an EMA, Nesterov's look-ahead, orthogonalised, then decoupled
+        weight decay and the shape-adjusted rate."""
+        buf, momentum = self.state[p]["momentum_buffer"], group["momentum"]
         buf.lerp_(p.grad, 1 - momentum)
         update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
         update = orthogonalize(update, dtype, group["ns_coefficients"], group["ns_steps"],
