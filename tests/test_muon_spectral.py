@@ -11,6 +11,8 @@ float32 Muon run that takes the spectral form still resumes bit-identical.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from test_train_loop import inputs, run, tiny_params
@@ -224,13 +226,27 @@ def test_a_failing_job_still_gives_back_the_thread_count():
         torch.set_num_threads(before)
 
 
-def test_the_shares_cover_each_matrix_once_and_balance_the_work():
-    shapes = [torch.Size(s) for s in [(256, 704)] * 4 + [(704, 256)] * 8 + [(256, 256)] * 16]
-    shares = muon_module._balanced_shares(shapes, 2)
-    assert sorted(i for share in shares for i in share) == list(range(len(shapes)))
-    cost = [sum(min(shapes[i]) ** 2 * max(shapes[i]) for i in share) for share in shares]
-    assert len(shares) == 2 and max(cost) <= 1.1 * min(cost)
-    assert len(muon_module._balanced_shares(shapes[:1], 4)) == 1
+def test_the_workers_take_the_largest_matrices_first_and_each_once():
+    """Longest first, each worker taking the next when free: the two largest start
+    first; every job runs once; results come back in the jobs' order."""
+    shapes = [torch.Size(s) for s in [(64, 64), (256, 704), (64, 176), (704, 256), (32, 32)]]
+    started: list[int] = []
+
+    def job(i: int) -> int:
+        started.append(i)
+        return i * i
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        out = muon_module.side_by_side([functools.partial(job, i) for i in range(5)],
+                                       shapes, torch.float32, CPU)
+    finally:
+        torch.set_num_threads(before)
+    assert out == [0, 1, 4, 9, 16]
+    assert sorted(started) == list(range(5)) and set(started[:2]) == {1, 3}
+    costs = [muon_module._spectral_cost(s) for s in shapes]
+    assert costs[1] == costs[3] > costs[2] > costs[0] > costs[4]
 
 
 def test_a_float32_muon_run_takes_the_spectral_form_and_resumes_bit_identical(

@@ -157,37 +157,30 @@ def side_by_side(jobs: list[Callable[[], _T]], shapes: list[torch.Size], dtype: 
     """Each job's result, in order: one job per matrix of ``shapes``.
 
     In the spectral form (float32 on a CPU) each job runs on one thread and the jobs are
-    spread over ``torch.get_num_threads()`` workers: an eigendecomposition gains little
-    from a second core (3.1 -> 2.1 ms at 256), a small matmul not all of it, while two
-    at once each keep a core busy. One thread a job also makes the result independent
-    of the thread count, bit for bit. Otherwise the jobs run here, one after another.
+    spread over ``torch.get_num_threads()`` workers, the largest first, each worker
+    taking the next when it is free: an eigendecomposition gains little from a second
+    core (3.1 -> 2.1 ms at 256), a small matmul not all of it, while two at once each
+    keep a core busy. One thread a job also makes the result independent of the thread
+    count and of which worker ran it, bit for bit. Otherwise the jobs run here, one
+    after another.
     """
     if not use_spectral_form(device, dtype):
         return [job() for job in jobs]
-    shares = _balanced_shares(shapes, torch.get_num_threads())
-    if len(shares) <= 1:  # one thread: here, in order
+    workers = min(torch.get_num_threads(), len(jobs))
+    if workers <= 1:  # one thread: here, in order
         return [job() for job in jobs]
-    results = _worker_pool(len(shares)).map(lambda share: [jobs[i]() for i in share], shares)
-    out: dict[int, _T] = {}
-    for indices, values in zip(shares, results, strict=True):
-        out.update(zip(indices, values, strict=True))
+    order = sorted(range(len(jobs)), key=lambda i: -_spectral_cost(shapes[i]))
+    results = _worker_pool(workers).map(lambda i: jobs[i](), order)  # largest first
+    out = dict(zip(order, results, strict=True))
     return [out[i] for i in range(len(jobs))]
 
 
-def _balanced_shares(shapes: list[torch.Size], workers: int) -> list[list[int]]:
-    """Indices of ``shapes`` in at most ``workers`` shares of near-equal cost, largest
-    first, each to the lightest share. The cost is the spectral form's in units of an
+def _spectral_cost(shape: torch.Size) -> int:
+    """The spectral form's cost for an m x n matrix (m <= n) in multiply-adds of an
     m x m x m matmul: ~9 for the eigendecomposition of the m x m Gram matrix (timed at
-    m = 256: 3.1 ms against 0.33), 1 for Q, 2 n / m for G and Q X."""
-    cost = [10 * min(s[0], s[1]) ** 3 + 2 * min(s[0], s[1]) ** 2 * max(s[0], s[1])
-            for s in shapes]
-    shares: list[list[int]] = [[] for _ in range(max(0, min(workers, len(shapes))))]
-    load = [0] * len(shares)
-    for i in sorted(range(len(shapes)), key=lambda i: -cost[i]):
-        k = load.index(min(load))
-        shares[k].append(i)
-        load[k] += cost[i]
-    return [sorted(share) for share in shares]
+    m = 256 on one core: 3.1 ms against 0.33), 1 for Q, 2 n / m for G and Q X."""
+    m, n = sorted(int(d) for d in shape[:2])
+    return 10 * m ** 3 + 2 * m * m * n
 
 
 @functools.lru_cache(maxsize=4)
