@@ -12,6 +12,7 @@ float32 Muon run that takes the spectral form still resumes bit-identical.
 from __future__ import annotations
 
 import functools
+import threading
 
 import pytest
 import torch
@@ -222,6 +223,23 @@ def test_a_failing_job_still_gives_back_the_thread_count():
             muon_module.side_by_side([boom, boom], [torch.Size((4, 4))] * 2,
                                      torch.float32, CPU)
         assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_workers_run_one_thread_each_and_leave_the_callers_count_alone():
+    """Jobs see one intra-op thread; the caller keeps its count, and a thread started
+    afterwards gets the caller's too (PyTorch's process default is put back)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        seen = muon_module.side_by_side([torch.get_num_threads] * 4,
+                                        [torch.Size((8, 8))] * 4, torch.float32, CPU)
+        later: list[int] = []
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert seen == [1, 1, 1, 1] and torch.get_num_threads() == 2 and later == [2]
     finally:
         torch.set_num_threads(before)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
@@ -87,9 +88,10 @@ def spectral_orthogonalize(update: Tensor, coefficients: tuple[float, ...] = NS_
     X -> V diag(h(lambda)) V^T X, where h is the iteration's gain on a singular value
     sqrt(lambda) (:func:`newton_schulz_gains`). So the fifteen matmuls of five
     iterations become G, one symmetric eigendecomposition (LAPACK's syevd) and two
-    matmuls: on one core of an AVX2 CPU 4.1 ms against 5.0 for a 256 x 256 matrix, 5.2
-    against 8.4 (the Gram iteration) for 256 x 704; 41 against 71 ms for 768 x 768 on
-    two (bench/RESULTS.md "Spectral Newton-Schulz"). The Frobenius norm is G's trace:
+    matmuls: on two cores of an AVX2 CPU 3.4 against 3.3 ms for 256 x 256 (no gain
+    there; on one core each, side by side, it is), 4.1 against 6.7 for 256 x 704, 42
+    against 67 for 768 x 768, 70 against 208 for 768 x 3072 (bench/RESULTS.md
+    "Spectral Newton-Schulz"). The Frobenius norm is G's trace:
     the normalisation is folded into the eigenvalues and the gains, no pass over X.
 
     Rounding: G squares the condition number, so a singular value far below the
@@ -186,13 +188,26 @@ def _spectral_cost(shape: torch.Size) -> int:
 @functools.lru_cache(maxsize=4)
 def _worker_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
     """A process-wide pool of ``workers`` threads for :func:`side_by_side`, each set to
-    one intra-op thread once, when it starts. The setting is the thread's own (its
-    OpenMP ICV and MKL's thread-local count), so the caller's stays as it was; setting
-    it per step instead would also clear oneDNN's kernel cache each time (PyTorch's
-    ``set_num_threads`` does), which slowed the next bf16 step by a third."""
-    return concurrent.futures.ThreadPoolExecutor(
-        workers, thread_name_prefix="muon-ns", initializer=torch.set_num_threads,
-        initargs=(1,))
+    one intra-op thread once, as it starts. The setting is the thread's own (its OpenMP
+    ICV, MKL's thread-local count), so the caller's stays; setting it around every step
+    instead would also clear oneDNN's kernel cache each time (PyTorch's
+    ``set_num_threads`` does). PyTorch also keeps the last count set as the default for
+    threads started later: once every worker has started, the caller's is set again."""
+    threads = torch.get_num_threads()
+    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="muon-ns",
+                                                 initializer=_one_thread)
+    started = threading.Barrier(workers)
+    list(pool.map(lambda _: started.wait(), range(workers)))  # one task each: all start
+    torch.set_num_threads(threads)
+    return pool
+
+
+def _one_thread() -> None:
+    """This thread's intra-op threads: one. PyTorch sets a thread's count from the
+    process default at its first parallel call; asking the count first makes that
+    happen now, so that the one set here is not overwritten then."""
+    torch.get_num_threads()
+    torch.set_num_threads(1)
 
 
 def adjusted_lr(lr: float, adjust: str | None, shape: torch.Size) -> float:
