@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,24 @@ def test_forked_workers_start_with_what_parquet_reads_import():
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.stdout.split(None, 1) == ["False", "{True}\n"]
     assert list(imap_ordered(square, range(3), num_workers=2)) == [0, 1, 4]
+
+
+def ray_loaded_here(_: int) -> bool:
+    return "ray" in sys.modules
+
+
+def test_a_process_that_loaded_ray_forks_its_workers_from_a_clean_server(monkeypatch):
+    """Ray's threads outlive ray.shutdown(); a child forked among them may inherit a held
+    lock and hang. With Ray loaded, workers come from a forkserver: they do not even
+    share this process's modules (the stand-in for Ray is not in theirs)."""
+    from lmforge import parallel
+
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    assert parallel.start_method() == "fork"
+    monkeypatch.setitem(sys.modules, "ray", types.ModuleType("ray"))
+    assert parallel.start_method() == "forkserver"
+    assert set(parallel.imap_ordered(ray_loaded_here, range(4), num_workers=2)) == {False}
+    assert list(parallel.imap_ordered(square, range(5), num_workers=2)) == [0, 1, 4, 9, 16]
 
 
 def test_part_log_answers_only_the_same_task(tmp_path):

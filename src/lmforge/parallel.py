@@ -50,8 +50,7 @@ def imap_ordered(
                 yield fn(item)
                 bar.update()
             return
-        # fork is cheapest where available; spawn elsewhere (macOS, Windows).
-        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        method = start_method()
         if method == "fork":
             preload_for_workers()
         with _workers_die_on_sigterm(), \
@@ -61,6 +60,25 @@ def imap_ordered(
                 bar.update()
     finally:
         bar.close()
+
+
+def start_method() -> str:
+    """How the pool starts its workers: fork, the cheapest, where it is safe; forkserver
+    in a process that has loaded Ray; spawn where there is no fork (macOS, Windows).
+
+    A forked child holds only the thread that forked, with every lock as it was: one
+    that another thread held stays held, and the child hangs when it takes it. Ray's
+    driver runs ~25 native threads (gRPC, its core worker), and ~10 of them outlive
+    ``ray.shutdown()``. (A test run hung once in a process that had run Ray: two forked
+    workers dead, the pool waiting on them; this is the likely cause, not reproduced.)
+    forkserver's workers are forked from a clean single-threaded server process.
+    """
+    methods = mp.get_all_start_methods()
+    if "fork" not in methods:
+        return "spawn"
+    if "ray" in sys.modules and "forkserver" in methods:
+        return "forkserver"
+    return "fork"
 
 
 def preload_for_workers() -> None:
