@@ -48,6 +48,7 @@ from lmforge.train.compiler import resolve_compile
 from lmforge.train.muon import (
     NS_COEFFICIENTS,
     NS_STEPS,
+    iterated_orthogonalize,
     newton_schulz,
     newton_schulz_dtype,
     orthogonalize,
@@ -138,19 +139,13 @@ def compare_forms(shapes: tuple[tuple[int, int], ...], rounds: int, threads: int
 def accuracy(updates: list[torch.Tensor]) -> dict:
     """Largest relative error (Frobenius) over ``updates`` against the iteration in
     float64, of float32 spectral, float32 iteration and bf16 iteration (torch's)."""
-    def iterate(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        x = g.to(dtype)
-        x = x.T if g.size(0) > g.size(1) else x
-        x = newton_schulz(x / x.norm(), NS_COEFFICIENTS, NS_STEPS)
-        return x.T if g.size(0) > g.size(1) else x
-
     errors: dict[str, float] = {"float32 spectral": 0.0, "float32 iteration": 0.0,
                                 "bfloat16 iteration": 0.0}
     for g in updates:
-        ref = iterate(g, torch.float64)
+        ref = iterated_orthogonalize(g.double())
         for name, out in (("float32 spectral", spectral_orthogonalize(g.float())),
-                          ("float32 iteration", iterate(g, torch.float32)),
-                          ("bfloat16 iteration", iterate(g, torch.bfloat16))):
+                          ("float32 iteration", iterated_orthogonalize(g.float())),
+                          ("bfloat16 iteration", iterated_orthogonalize(g.bfloat16()))):
             err = float(torch.linalg.matrix_norm(out.double() - ref) /
                         torch.linalg.matrix_norm(ref))
             errors[name] = max(errors[name], err)

@@ -59,10 +59,15 @@ def orthogonalize(update: Tensor, dtype: torch.dtype, coefficients: tuple[float,
     """
     if use_spectral_form(update.device, dtype):
         return spectral_orthogonalize(update.to(dtype), coefficients, steps, eps)
-    x = update.to(dtype)
+    return iterated_orthogonalize(update.to(dtype), coefficients, steps, eps)
+
+
+def iterated_orthogonalize(update: Tensor, coefficients: tuple[float, ...] = NS_COEFFICIENTS,
+                           steps: int = NS_STEPS, eps: float = 1e-7) -> Tensor:
+    """:func:`newton_schulz` of ``update`` in its own dtype, as torch.optim.Muon takes
+    it: turned wide, scaled by its Frobenius norm, iterated, turned back."""
     tall = update.size(0) > update.size(1)
-    if tall:
-        x = x.T
+    x = update.T if tall else update
     x = newton_schulz(x / x.norm().clamp(min=eps), coefficients, steps)
     return x.T if tall else x
 
@@ -107,8 +112,7 @@ def spectral_orthogonalize(update: Tensor, coefficients: tuple[float, ...] = NS_
     try:
         eigenvalues, vectors = torch.linalg.eigh(gram)
     except torch.linalg.LinAlgError:
-        out = newton_schulz(x / x.norm().clamp(min=eps), coefficients, steps)
-        return out.T if tall else out
+        return iterated_orthogonalize(update, coefficients, steps, eps)
     eigenvalues = eigenvalues.double()
     norm2 = eigenvalues.sum().clamp(min=eps * eps)  # ||X||_F^2 = trace(G)
     gains = newton_schulz_gains(eigenvalues / norm2, coefficients, steps) / norm2.sqrt()
